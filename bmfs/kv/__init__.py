@@ -1,0 +1,163 @@
+"""The narrow transactional key-value interface every metadata engine implements.
+
+An engine stores byte keys -> byte values, each with a modification revision. A
+transaction is optimistic: reads record the revision they saw (0 = absent), writes are
+buffered, and ``commit`` applies the writes only if every key read still has the
+revision seen (compare-and-swap), raising :class:`~bmfs.errors.Conflict` otherwise.
+This is exactly what etcd's Txn offers, so the namespace above works unchanged on
+``memory:``, ``sqlite:PATH`` and ``etcd://host:port,...``.
+
+Engines implement five primitives (``_get``, ``_range``, ``_commit``, ``sync``,
+``aclose``) and may add ``watch``. Everything else (retries, range reads merged with
+a transaction's own writes) is written once here.
+"""
+from __future__ import annotations
+
+import abc
+import random
+from typing import Awaitable, Callable, TypeVar
+
+import trio
+
+from ..errors import Conflict, Unavailable
+
+T = TypeVar("T")
+
+ENGINES: dict[str, str] = {
+    "memory": "bmfs.kv.memory:MemoryKV",
+    "sqlite": "bmfs.kv.sqlite:SqliteKV",
+    "etcd": "bmfs.kv.etcd:EtcdKV",
+}
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The smallest key greater than every key starting with ``prefix``."""
+    p = bytearray(prefix)
+    while p:
+        if p[-1] < 0xFF:
+            p[-1] += 1
+            return bytes(p)
+        p.pop()
+    return b""  # whole keyspace
+
+
+class KV(abc.ABC):
+    """A transactional KV store. Create with ``await open_kv(url)``; close with ``aclose``."""
+
+    url: str = ""
+
+    # -- primitives an engine implements ---------------------------------------------
+    @abc.abstractmethod
+    async def _get(self, key: bytes) -> tuple[bytes | None, int]:
+        """Value and revision of ``key`` (``(None, 0)`` if absent)."""
+
+    @abc.abstractmethod
+    async def _range(self, start: bytes, end: bytes, limit: int) -> list[tuple[bytes, bytes, int]]:
+        """``(key, value, revision)`` for start <= key < end in key order (end b"" = no bound)."""
+
+    @abc.abstractmethod
+    async def _commit(self, reads: dict[bytes, int], writes: dict[bytes, bytes | None]) -> None:
+        """Apply ``writes`` atomically if every key in ``reads`` has the given revision.
+
+        Raises:
+            Conflict: a compared revision changed; nothing was written.
+            Unavailable: the store cannot be reached; the commit did not happen, or (for
+                engines where an outcome can be unknown) the engine has already
+                resolved whether it happened before raising.
+        """
+
+    @abc.abstractmethod
+    async def sync(self) -> None:
+        """Make every commit so far durable on stable storage (a barrier for fsync)."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release the engine's resources."""
+
+    # -- the interface used by the layers above ---------------------------------------
+    def begin(self) -> "Txn":
+        return Txn(self)
+
+    async def get(self, key: bytes) -> bytes | None:
+        """Latest committed value, outside any transaction."""
+        return (await self._get(key))[0]
+
+    async def range(self, start: bytes, end: bytes, limit: int = 0) -> list[tuple[bytes, bytes]]:
+        return [(k, v) for k, v, _ in await self._range(start, end, limit)]
+
+    async def commit(self, txn: "Txn") -> None:
+        if txn.writes:
+            await self._commit(txn.reads, txn.writes)
+
+    async def transact(self, fn: Callable[["Txn"], Awaitable[T]], attempts: int = 64) -> T:
+        """Run ``fn(txn)`` and commit, retrying on conflict with a fresh transaction.
+
+        ``fn`` must not have side effects outside the transaction (it may run several
+        times). Raises Unavailable if it keeps conflicting.
+        """
+        for attempt in range(attempts):
+            txn = self.begin()
+            result = await fn(txn)
+            try:
+                await self.commit(txn)
+                return result
+            except Conflict:
+                await trio.sleep(random.uniform(0, 0.002 * (attempt + 1)))
+        raise Unavailable("metadata transaction kept conflicting")
+
+
+class Txn:
+    """An optimistic transaction: records read revisions, buffers writes."""
+
+    __slots__ = ("kv", "reads", "writes")
+
+    def __init__(self, kv: KV):
+        self.kv = kv
+        self.reads: dict[bytes, int] = {}
+        self.writes: dict[bytes, bytes | None] = {}
+
+    async def get(self, key: bytes) -> bytes | None:
+        if key in self.writes:
+            return self.writes[key]
+        value, rev = await self.kv._get(key)
+        self.reads.setdefault(key, rev)
+        return value
+
+    async def range(self, start: bytes, end: bytes, limit: int = 0) -> list[tuple[bytes, bytes]]:
+        """Keys in [start, end) as seen by this transaction (its own writes included).
+
+        Only the keys returned are compared at commit; a key inserted into the range
+        by someone else is not detected (callers guard such ranges with a key they
+        read and write, e.g. the parent directory's inode).
+        """
+        rows = await self.kv._range(start, end, limit)
+        out: dict[bytes, bytes | None] = {}
+        for k, v, rev in rows:
+            self.reads.setdefault(k, rev)
+            out[k] = v
+        for k, v in self.writes.items():
+            if k >= start and (not end or k < end):
+                out[k] = v
+        items = sorted((k, v) for k, v in out.items() if v is not None)
+        if limit and len(rows) >= limit:
+            # keys past the engine's last row may be incomplete: cut there
+            last = rows[-1][0]
+            items = [kv for kv in items if kv[0] <= last]
+        return items[:limit] if limit else items
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.writes[key] = bytes(value)
+
+    def delete(self, key: bytes) -> None:
+        self.writes[key] = None
+
+
+async def open_kv(url: str) -> KV:
+    """Open the engine named by the URL's scheme (``memory:``, ``sqlite:PATH``, ``etcd://...``)."""
+    scheme = url.split(":", 1)[0]
+    if scheme not in ENGINES:
+        raise ValueError(f"unknown metadata engine {scheme!r} in {url!r}; "
+                         f"known: {', '.join(sorted(ENGINES))}")
+    import importlib
+    mod, cls = ENGINES[scheme].split(":")
+    return await getattr(importlib.import_module(mod), cls).create(url)

@@ -1,0 +1,34 @@
+#!/bin/sh
+# Installs everything bmfs needs on a Debian machine (run as root): apt packages,
+# a virtualenv in .venv with the Python dependencies, the `bmfs` command on PATH
+# and the mount.fuse.bmfs helper. Idempotent: a second run only checks.
+#   tools/setup.sh          runtime dependencies
+#   tools/setup.sh --test   also the test and benchmark dependencies (etcd, fio, ...)
+set -eu
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+APT="python3 python3-venv python3-dev gcc pkg-config libfuse3-dev fuse3 \
+     liberasurecode-dev libisal-dev attr procps ca-certificates"
+[ "${1:-}" = "--test" ] && APT="$APT etcd-server fio rsync git tar stress-ng iproute2 psmisc"
+missing=""
+for p in $APT; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends $missing >/dev/null
+fi
+if [ ! -x .venv/bin/python ]; then
+  /usr/bin/python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+if [ "${1:-}" = "--test" ]; then
+  .venv/bin/python -m pip install -q -e ".[test]"
+else
+  .venv/bin/python -m pip install -q -e .
+fi
+ln -sf "$ROOT/.venv/bin/bmfs" /usr/local/bin/bmfs
+ln -sf "$ROOT/mount/mount.fuse.bmfs" /sbin/mount.fuse.bmfs
+# allow_other needs this line for non-root mounts; harmless for root.
+grep -qs '^user_allow_other' /etc/fuse.conf || echo user_allow_other >> /etc/fuse.conf

@@ -1,2 +1,61 @@
-def main():
-    pass
+"""`bmfs` command dispatcher. One module per command; each has add_parser(sub).
+
+Exit codes: 0 success, 1 the check or operation found a problem (fsck, merge
+conflicts), 2 a usage or user error (printed as one line), 3 an internal error.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from ..errors import FsError, VolumeError
+
+COMMANDS = ["mkfs", "mount", "cat", "type_"]
+
+
+class UserError(Exception):
+    """A mistake of the user's: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bmfs", description="bmfs: an erasure-coded POSIX "
+                                "filesystem with branches and typed views")
+    p.add_argument("--debug", action="store_true", help="log debug messages")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"bmfs.cli.{name}")
+        except ImportError as e:
+            if name in ("cat", "type_"):
+                continue  # typed views not installed in this build
+            raise e
+        mod.add_parser(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
+                        format="bmfs: %(levelname)s: %(message)s")
+    try:
+        code = args.func(args)
+    except (UserError, VolumeError, ValueError) as e:
+        print(f"bmfs: {e}", file=sys.stderr)
+        code = 2
+    except FsError as e:
+        print(f"bmfs: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    except Exception:
+        logging.exception("internal error")
+        code = 3
+    sys.exit(code or 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Helpers shared by the commands: finding mounts, talking to a mount's control file."""
+from __future__ import annotations
+
+import json
+import os
+
+from .main import UserError
+
+
+def mounts() -> list[dict]:
+    """bmfs mounts from /proc/self/mountinfo: mountpoint, source, dev (major:minor)."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, right = line.split(" - ", 1)
+            lf, rf = left.split(), right.split()
+            if rf[0] == "fuse.bmfs":
+                out.append({"mountpoint": lf[4].replace("\\040", " "), "dev": lf[2],
+                            "source": rf[1]})
+    return out
+
+
+def find_mount(path: str) -> dict | None:
+    path = os.path.abspath(path)
+    for m in mounts():
+        if m["mountpoint"] == path:
+            return m
+    return None
+
+
+def mount_root_of(path: str) -> str:
+    """The bmfs mount point holding ``path``."""
+    path = os.path.abspath(path)
+    best = None
+    for m in mounts():
+        mp = m["mountpoint"]
+        if path == mp or path.startswith(mp.rstrip("/") + "/"):
+            if best is None or len(mp) > len(best):
+                best = mp
+    if best is None:
+        raise UserError(f"{path} is not inside a bmfs mount (give -m MOUNTPOINT)")
+    return best
+
+
+def control(mountpoint: str, op: str, **args):
+    """Send one request to the mount's control file; returns the result or raises."""
+    path = os.path.join(mountpoint, ".bm", "ctl")
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as e:
+        raise UserError(f"cannot reach the control file of {mountpoint}: {e.strerror}")
+    try:
+        os.write(fd, json.dumps({"op": op, **args}).encode())
+        chunks = []
+        off = 0
+        while True:
+            b = os.pread(fd, 1 << 20, off)
+            if not b:
+                break
+            chunks.append(b)
+            off += len(b)
+    finally:
+        os.close(fd)
+    reply = json.loads(b"".join(chunks))
+    if not reply["ok"]:
+        raise UserError(reply["error"])
+    return reply["result"]

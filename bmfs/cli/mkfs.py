@@ -1,0 +1,29 @@
+"""bmfs mkfs VOLUME [--ec K+M] [--device PATH ...] [--meta URL]"""
+import trio
+
+from ..config import parse_ec
+
+
+def add_parser(sub):
+    p = sub.add_parser("mkfs", help="create a volume")
+    p.add_argument("volume", help="directory for the volume (metadata and default devices)")
+    p.add_argument("--ec", default="4+2", help="erasure code K+M (default 4+2)")
+    p.add_argument("--device", action="append", default=[], metavar="PATH",
+                   help="a device directory; give exactly K+M (default: inside VOLUME)")
+    p.add_argument("--meta", help="metadata URL (default sqlite:VOLUME/meta.db)")
+    p.add_argument("--fragment-size", type=int, default=1 << 20, help=argparse_help())
+    p.set_defaults(func=run)
+
+
+def argparse_help():
+    return "data bytes per fragment of a full stripe (default 1 MiB)"
+
+
+def run(args) -> int:
+    from ..vfs.volume import mkfs
+    k, m = parse_ec(args.ec)
+    if args.fragment_size < 4096 or args.fragment_size % 4096:
+        raise ValueError("--fragment-size must be a multiple of 4096")
+    s = trio.run(mkfs, args.volume, k, m, args.device or None, args.meta, args.fragment_size)
+    print(f"created volume {args.volume} ({s.k}+{s.m}, uuid {s.uuid})")
+    return 0

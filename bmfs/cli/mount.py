@@ -1,0 +1,163 @@
+"""bmfs mount / umount / mount-helper (the mount.fuse.bmfs entry point)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import trio
+
+from ..config import MountOptions, default_volume
+from .main import UserError
+from .common import find_mount, mounts
+
+
+def add_parser(sub):
+    p = sub.add_parser("mount", help="mount a volume")
+    p.add_argument("mountpoint")
+    p.add_argument("--volume", help="volume directory (default: the default volume, "
+                   "created on first use)")
+    p.add_argument("--branch", default="main", help="branch shown at the root (default main)")
+    p.add_argument("--foreground", "-f", action="store_true", help="do not detach")
+    p.add_argument("--ec", default="4+2", help="erasure code when creating the default volume")
+    p.add_argument("--timeout", type=float, default=1.0, help="kernel attribute cache seconds")
+    p.add_argument("--ready-fd", type=int, help=argparse_suppress())
+    p.set_defaults(func=run)
+
+    u = sub.add_parser("umount", help="unmount (waits until the data is stored)")
+    u.add_argument("mountpoint")
+    u.set_defaults(func=run_umount)
+
+    h = sub.add_parser("mount-helper", help="mount.fuse.bmfs: VOLUME MOUNTPOINT [-o OPTS]")
+    h.add_argument("volume")
+    h.add_argument("mountpoint")
+    h.add_argument("-o", dest="options", default="")
+    h.set_defaults(func=run_helper)
+
+
+def argparse_suppress():
+    import argparse
+    return argparse.SUPPRESS
+
+
+def _check_mountpoint(mp):
+    if not os.path.isdir(mp):
+        raise UserError(f"mount point {mp} is not a directory")
+    if find_mount(mp):
+        raise UserError(f"{mp} is already mounted")
+
+
+def run(args) -> int:
+    mp = os.path.abspath(args.mountpoint)
+    volume = args.volume or default_volume()
+    if args.volume is None and not os.path.exists(os.path.join(volume, "volume.json")):
+        from ..config import parse_ec
+        from ..vfs.volume import mkfs
+        k, m = parse_ec(args.ec)
+        trio.run(mkfs, volume, k, m)
+    if args.mountpoint and not os.path.exists(mp) and args.volume is None:
+        os.makedirs(mp, exist_ok=True)
+    _check_mountpoint(mp)
+    opts = MountOptions(branch=args.branch, attr_timeout=args.timeout,
+                        entry_timeout=args.timeout)
+    if args.foreground:
+        return _serve(volume, mp, opts, args.ready_fd)
+    return _spawn(volume, mp, args)
+
+
+def _serve(volume, mp, opts, ready_fd) -> int:
+    import logging
+    from ..fuse.mount import serve
+    if ready_fd is not None:
+        logging.basicConfig(filename=os.path.join(volume, "mount.log"), level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                            force=True)
+
+    def ready(err):
+        if ready_fd is not None:
+            os.write(ready_fd, (f"error: {err}" if err else "ready").encode() + b"\n")
+            os.close(ready_fd)
+    try:
+        trio.run(serve, volume, mp, opts, ready)
+    except Exception as e:
+        if ready_fd is not None:
+            try:
+                ready(e)
+            except OSError:
+                pass
+        raise
+    return 0
+
+
+def _spawn(volume, mp, args) -> int:
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "bmfs.cli.main", "mount", mp, "--volume", volume,
+           "--branch", args.branch, "--timeout", str(args.timeout), "--foreground",
+           "--ready-fd", str(w)]
+    log = open(os.path.join(volume, "mount.log"), "ab")
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                            pass_fds=(w,), start_new_session=True)
+    os.close(w)
+    with os.fdopen(r) as f:
+        line = f.readline().strip()
+    if line != "ready":
+        proc.wait(timeout=30)
+        msg = line[len("error: "):] if line.startswith("error: ") else \
+            f"the mount daemon exited (status {proc.returncode}); see {volume}/mount.log"
+        raise UserError(msg)
+    _raise_read_ahead(mp)
+    return 0
+
+
+def _raise_read_ahead(mp, kb: int = 4096) -> None:
+    """Reads come in 128 KiB unless the mount's bdi read-ahead is raised."""
+    m = find_mount(mp)
+    if not m or not m.get("dev"):
+        return
+    try:
+        with open(f"/sys/class/bdi/{m['dev']}/read_ahead_kb", "w") as f:
+            f.write(str(kb))
+    except OSError:
+        pass
+
+
+def run_umount(args) -> int:
+    mp = os.path.abspath(args.mountpoint)
+    m = find_mount(mp)
+    if not m:
+        raise UserError(f"{mp} is not a bmfs mount")
+    pid = None
+    volume = m["source"].split(":", 1)[1] if m["source"].startswith("bmfs:") else None
+    if volume:
+        try:
+            with open(os.path.join(volume, "mount.pid")) as f:
+                pid = int(f.read().split()[0])
+        except (OSError, ValueError):
+            pid = None
+    res = subprocess.run(["fusermount3", "-u", mp], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise UserError(res.stderr.strip() or f"could not unmount {mp}")
+    if pid:
+        for _ in range(600):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+    return 0
+
+
+def run_helper(args) -> int:
+    """mount(8) calls: mount.fuse.bmfs VOLUME MOUNTPOINT -o opts"""
+    branch = "main"
+    for o in args.options.split(","):
+        if o.startswith("branch="):
+            branch = o.split("=", 1)[1]
+    cmd = [sys.executable, "-m", "bmfs.cli.main", "mount", args.mountpoint, "--volume",
+           args.volume, "--branch", branch]
+    return subprocess.call(cmd)
+
+
+__all__ = ["mounts", "json"]

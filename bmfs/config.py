@@ -1,0 +1,65 @@
+"""Configuration: volume-wide settings (stored in the metadata) and per-mount options."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+
+from .meta.keys import FORMAT_REVISION
+
+
+@dataclass(frozen=True)
+class VolumeSettings:
+    """Chosen at mkfs, stored at ``v/settings``, checked at every mount."""
+    uuid: str
+    k: int = 4
+    m: int = 2
+    fragment_size: int = 1 << 20      # data bytes per fragment of a full stripe
+    inline_max: int = 16 << 10       # stripes this small live in the metadata
+    format: int = FORMAT_REVISION
+    created: float = 0.0
+
+    @property
+    def stripe_size(self) -> int:
+        return self.k * self.fragment_size
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "VolumeSettings":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True)
+class MountOptions:
+    branch: str = "main"
+    attr_timeout: float = 1.0
+    entry_timeout: float = 1.0
+    allow_other: bool = True
+    read_ahead_kb: int = 4096
+
+
+MAX_NAME = 255
+MAX_FILE_SIZE = 1 << 48  # 256 TiB
+
+
+def default_volume() -> str:
+    """Where `bmfs mount /bm` keeps the default volume (created on first use)."""
+    if os.environ.get("BMFS_DEFAULT_VOLUME"):
+        return os.environ["BMFS_DEFAULT_VOLUME"]
+    if os.geteuid() == 0:
+        return "/var/lib/bmfs/default"
+    return os.path.expanduser("~/.local/share/bmfs/default")
+
+
+def parse_ec(text: str) -> tuple[int, int]:
+    try:
+        k, m = (int(x) for x in text.lower().split("+"))
+    except ValueError:
+        raise ValueError(f"--ec wants K+M such as 4+2, not {text!r}")
+    if not (1 <= k <= 32 and 0 <= m <= 16):
+        raise ValueError(f"--ec {text}: need 1 <= K <= 32 and 0 <= M <= 16")
+    if m == 0:
+        raise ValueError(f"--ec {text}: M must be at least 1 (use K+1 or more for redundancy)")
+    return k, m

@@ -1,0 +1,196 @@
+"""The data path: stripes in, stripes out, over any transport.
+
+Writes encode a stripe into k+m fragments and store them on k+m distinct devices in
+parallel; a write succeeds when at least k+1 are stored (all of them when fewer than
+k+1 devices exist), and the missing ones are reported so they are recorded for
+repair. Reads of a healthy stripe read just the byte ranges they need from the data
+fragments and check their block checksums; any failure (device missing, checksum
+mismatch) switches to a degraded read that decodes the stripe from any k fragments.
+Damage seen on the way is reported through ``on_damage(sid, index, reason)``.
+"""
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from ..errors import IOFailure, NoSpace
+from ..meta.records import EC, INLINE, NO_DEVICE, Stripe
+from ..transport import DeviceError
+from . import fragment as fr
+from .codec import LIB_HEADER, codec
+from .placement import place
+
+log = logging.getLogger(__name__)
+
+
+class DataClient:
+    def __init__(self, transport, devices: list[int], k: int, m: int, inline_max: int,
+                 on_damage=None):
+        self.transport = transport
+        self.devices = devices
+        self.k, self.m = k, m
+        self.inline_max = inline_max
+        self.on_damage = on_damage or (lambda sid, idx, why: None)
+        self.stats = {"degraded_reads": 0, "corrupt_fragments": 0, "missing_fragments": 0}
+
+    # -- writes ---------------------------------------------------------------------------
+    async def write_stripe(self, sid: int, data) -> Stripe:
+        """Store ``data`` as stripe ``sid``; returns its record (refs 0)."""
+        if len(data) <= self.inline_max:
+            return Stripe(INLINE, len(data), data=bytes(data))
+        k, m = self.k, self.m
+        cd = codec(k, m)
+        frags = await trio.to_thread.run_sync(cd.encode, data)
+        headers = await trio.to_thread.run_sync(
+            lambda: [fr.build_header(sid, i, k, m, f) for i, f in enumerate(frags)])
+        devs = place(sid, self.devices, k + m)
+        stored = [NO_DEVICE] * (k + m)
+
+        async def put(i):
+            try:
+                await self.transport.put(devs[i], fr.fragment_name(sid, i), [headers[i], frags[i]])
+                stored[i] = devs[i]
+            except DeviceError as e:
+                log.warning("stripe %d fragment %d not stored: %s", sid, i, e)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(k + m):
+                nursery.start_soon(put, i)
+        ok = sum(d != NO_DEVICE for d in stored)
+        need = min(k + 1, k + m)
+        if ok < need:
+            raise NoSpace(f"only {ok} of {k + m} fragments of a stripe could be stored "
+                          f"(need {need}); are devices missing?")
+        return Stripe(EC, len(data), 0, k, m, len(frags[0]), stored)
+
+    async def sync(self) -> None:
+        """Make every fragment written so far durable on its device."""
+        async with trio.open_nursery() as nursery:
+            for dev in self.devices:
+                nursery.start_soon(self._sync_one, dev)
+
+    async def _sync_one(self, dev):
+        try:
+            await self.transport.sync(dev)
+        except DeviceError as e:
+            log.warning("sync: %s", e)
+
+    async def delete_stripe(self, sid: int, st: Stripe) -> None:
+        for i, dev in enumerate(st.devices):
+            if dev != NO_DEVICE:
+                try:
+                    await self.transport.delete(dev, fr.fragment_name(sid, i))
+                except DeviceError:
+                    pass
+
+    # -- reads ----------------------------------------------------------------------------
+    async def read(self, sid: int, st: Stripe, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset+length) of the stripe (clipped to its length)."""
+        end = min(offset + length, st.length)
+        if offset >= end:
+            return b""
+        if st.kind == INLINE:
+            return st.data[offset:end]
+        try:
+            return await self._read_direct(sid, st, offset, end)
+        except (DeviceError, fr.CorruptFragment, _Missing):
+            data = await self._read_degraded(sid, st)
+            return data[offset:end]
+
+    async def _read_direct(self, sid, st, offset, end):
+        bs = st.frag_len - LIB_HEADER
+        first, last = offset // bs, (end - 1) // bs
+        parts: list[bytes | None] = [None] * (last - first + 1)
+
+        async def one(i):
+            lo, hi = max(offset, i * bs), min(end, (i + 1) * bs)
+            parts[i - first] = await self._read_range(sid, st, i, LIB_HEADER + lo - i * bs,
+                                                      hi - lo)
+
+        if first == last:
+            await one(first)
+        else:
+            async with trio.open_nursery() as nursery:
+                for i in range(first, last + 1):
+                    nursery.start_soon(one, i)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _read_range(self, sid, st, index, p0, n):
+        """``n`` bytes at payload offset ``p0`` of fragment ``index``, verified."""
+        dev = st.devices[index]
+        if dev == NO_DEVICE:
+            raise _Missing()
+        hlen = fr.header_length(st.frag_len)
+        b0 = p0 // fr.BLOCK
+        b1 = min((p0 + n + fr.BLOCK - 1) // fr.BLOCK * fr.BLOCK, st.frag_len)
+        name = fr.fragment_name(sid, index)
+        try:
+            head, blocks = await self.transport.read(
+                dev, name, [(0, hlen), (hlen + b0 * fr.BLOCK, b1 - b0 * fr.BLOCK)])
+            table = fr.parse_header(head, sid, index, st.frag_len)
+            if len(blocks) != b1 - b0 * fr.BLOCK:
+                raise fr.CorruptFragment("truncated payload")
+            fr.check_blocks(table, b0, blocks)
+        except fr.CorruptFragment as e:
+            self._damaged(sid, index, f"corrupt: {e}")
+            raise
+        except DeviceError as e:
+            self._damaged(sid, index, f"unreadable: {e}")
+            raise
+        off = p0 - b0 * fr.BLOCK
+        return blocks[off:off + n]
+
+    async def _read_fragment(self, sid, st, index) -> bytes:
+        dev = st.devices[index]
+        if dev == NO_DEVICE:
+            raise _Missing()
+        hlen = fr.header_length(st.frag_len)
+        name = fr.fragment_name(sid, index)
+        try:
+            head, payload = await self.transport.read(dev, name, [(0, hlen), (hlen, st.frag_len)])
+            table = fr.parse_header(head, sid, index, st.frag_len)
+            if len(payload) != st.frag_len:
+                raise fr.CorruptFragment("truncated payload")
+            fr.check_blocks(table, 0, payload)
+            return payload
+        except fr.CorruptFragment as e:
+            self._damaged(sid, index, f"corrupt: {e}")
+            raise
+        except DeviceError as e:
+            self._damaged(sid, index, f"unreadable: {e}")
+            raise
+
+    async def _read_degraded(self, sid, st) -> bytes:
+        """Decode the whole stripe from the first k intact fragments."""
+        self.stats["degraded_reads"] += 1
+        k = st.k
+        got: dict[int, bytes] = {}
+        enough = trio.Event()
+
+        async def one(i):
+            try:
+                got[i] = await self._read_fragment(sid, st, i)
+            except (DeviceError, fr.CorruptFragment, _Missing):
+                return
+            if len(got) >= k:
+                enough.set()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(st.k + st.m):
+                nursery.start_soon(one, i)
+        if len(got) < k:
+            raise IOFailure(f"stripe {sid}: only {len(got)} of {st.k + st.m} fragments "
+                            f"readable, {k} needed")
+        frags = [got[i] for i in sorted(got)[:k]]
+        return await trio.to_thread.run_sync(codec(st.k, st.m).decode, frags)
+
+    def _damaged(self, sid, index, why):
+        key = "corrupt_fragments" if why.startswith("corrupt") else "missing_fragments"
+        self.stats[key] += 1
+        log.warning("stripe %d fragment %d %s", sid, index, why)
+        self.on_damage(sid, index, why)
+
+
+class _Missing(Exception):
+    """The stripe record says this fragment was never stored."""

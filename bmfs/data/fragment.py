@@ -1,0 +1,79 @@
+"""The fragment format on a device, byte by byte (revision 1).
+
+=======  ====  ============================================================
+offset   size  field
+=======  ====  ============================================================
+0        4     magic ``BMFR``
+4        1     format version (1)
+5        1     fragment index (0..k+m-1; < k is a data fragment)
+6        1     k
+7        1     m
+8        8     stripe id (little-endian)
+16       4     payload length P (the pyeclib fragment, its 80-byte header included)
+20       4     checksum block size S (4096)
+24       4     number of blocks N = ceil(P / S)
+28       4     crc32c of bytes [0, 28) and of the block table
+32       4*N   crc32c of each S-byte block of the payload (the last may be short)
+32+4N    P     payload
+=======  ====  ============================================================
+
+Per-block checksums let a 4 KiB read verify just the blocks it touches; every read
+checks the header and the blocks it returns.
+"""
+from __future__ import annotations
+
+import struct
+
+from crc32c import crc32c
+
+MAGIC = b"BMFR"
+VERSION = 1
+BLOCK = 4096
+_HEAD = struct.Struct("<4sBBBBQIII")
+HEAD_FIXED = _HEAD.size + 4  # 32
+
+
+class CorruptFragment(Exception):
+    """A fragment failed its checks; the message says which check."""
+
+
+def header_length(payload_length: int) -> int:
+    return HEAD_FIXED + 4 * ((payload_length + BLOCK - 1) // BLOCK)
+
+
+def build_header(sid: int, index: int, k: int, m: int, payload) -> bytes:
+    mv = memoryview(payload)
+    n = (len(mv) + BLOCK - 1) // BLOCK
+    table = struct.pack("<%dI" % n, *(crc32c(mv[i * BLOCK:(i + 1) * BLOCK]) for i in range(n)))
+    fixed = _HEAD.pack(MAGIC, VERSION, index, k, m, sid, len(mv), BLOCK, n)
+    return fixed + struct.pack("<I", crc32c(table, crc32c(fixed))) + table
+
+
+def parse_header(buf, sid: int, index: int, payload_length: int) -> tuple[int, ...]:
+    """Check a header read from a device; return the block checksum table."""
+    if len(buf) < HEAD_FIXED:
+        raise CorruptFragment("truncated header")
+    magic, ver, idx, _k, _m, fsid, plen, bsize, n = _HEAD.unpack_from(buf)
+    if magic != MAGIC or ver != VERSION:
+        raise CorruptFragment("bad magic or version")
+    if fsid != sid or idx != index or plen != payload_length or bsize != BLOCK:
+        raise CorruptFragment("header names another fragment")
+    if len(buf) < HEAD_FIXED + 4 * n:
+        raise CorruptFragment("truncated block table")
+    table = bytes(buf[HEAD_FIXED:HEAD_FIXED + 4 * n])
+    (hcrc,) = struct.unpack_from("<I", buf, _HEAD.size)
+    if crc32c(table, crc32c(bytes(buf[:_HEAD.size]))) != hcrc:
+        raise CorruptFragment("header checksum mismatch")
+    return struct.unpack("<%dI" % n, table)
+
+
+def check_blocks(table, first_block: int, data) -> None:
+    """Verify ``data``, which starts at block ``first_block`` of the payload."""
+    mv = memoryview(data)
+    for j in range(0, len(mv), BLOCK):
+        if crc32c(mv[j:j + BLOCK]) != table[first_block + j // BLOCK]:
+            raise CorruptFragment(f"block {first_block + j // BLOCK} checksum mismatch")
+
+
+def fragment_name(sid: int, index: int) -> str:
+    return "%016x.%d" % (sid, index)

@@ -1,0 +1,112 @@
+"""The whole metadata keyspace, in one place (docs/keyspace.md renders this table).
+
+Layered keys (the namespace of a branch or snapshot) are ``SUB @ LAYER`` where
+``LAYER`` is 8 hex digits; a tree is a chain of layers, top first, and a lookup takes
+the first version found along the chain (see layers.py). Values of layered keys start
+with a tag byte: ``\\x01`` + payload for a value, ``\\x00`` alone for a tombstone that
+hides older layers' versions.
+
+=====================================  ===============================================
+key                                    value
+=====================================  ===============================================
+v/settings                             JSON volume settings: format revision, uuid,
+                                       k, m, fragment size, inline limit
+v/ctr/<name>                           next free number (ino, stripe, layer) in decimal
+v/dev/<dev:04x>                        JSON device record: path, uuid, node
+y/<layer:08x>                          JSON layer record: parent layer, frozen flag
+b/<branch name>                        JSON branch: head layer, created, from
+n/<snapshot name>                      JSON snapshot: layer, created, branch
+t/<stripe:016x>                        stripe record (records.Stripe): refs, length,
+                                       inline data or fragment size + device per index
+g/<stripe:016x>                        stripe whose fragments are to be deleted (GC queue)
+h/<stripe:016x>/<index:02x>            fragment known missing/corrupt, awaiting repair
+i/<ino:016x>@L                         inode attributes (records.Inode)
+d/<parent ino:016x>/<name>@L           directory entry: child ino and type
+c/<ino:016x>/<chunk index:08x>@L       slice list of one 64 MiB chunk (records.Slices)
+x/<ino:016x>/<xattr name>@L            extended attribute value
+l/<ino:016x>@L                         symlink target
+o/<layer:08x>/<ino:016x>               inode unlinked while open (freed on release or
+                                       at the next mount after a crash)
+=====================================  ===============================================
+"""
+FORMAT_REVISION = 1
+CHUNK_SIZE = 64 << 20
+LIVE = b"\x01"
+TOMBSTONE = b"\x00"
+
+SETTINGS = b"v/settings"
+
+
+def counter(name: str) -> bytes:
+    return b"v/ctr/" + name.encode()
+
+
+def device(dev: int) -> bytes:
+    return b"v/dev/%04x" % dev
+
+
+DEVICE_PREFIX = b"v/dev/"
+
+
+def layer(lay: int) -> bytes:
+    return b"y/%08x" % lay
+
+
+def branch(name: str) -> bytes:
+    return b"b/" + name.encode()
+
+
+def snapshot(name: str) -> bytes:
+    return b"n/" + name.encode()
+
+
+def stripe(sid: int) -> bytes:
+    return b"t/%016x" % sid
+
+
+def garbage(sid: int) -> bytes:
+    return b"g/%016x" % sid
+
+
+def damage(sid: int, index: int) -> bytes:
+    return b"h/%016x/%02x" % (sid, index)
+
+
+def orphan(lay: int, ino: int) -> bytes:
+    return b"o/%08x/%016x" % (lay, ino)
+
+
+# -- layered sub-keys (suffix @LAYER added by layers.py) -------------------------------
+def inode(ino: int) -> bytes:
+    return b"i/%016x" % ino
+
+
+def dir_prefix(parent: int) -> bytes:
+    return b"d/%016x/" % parent
+
+
+def dentry(parent: int, name: bytes) -> bytes:
+    return b"d/%016x/" % parent + name
+
+
+def chunk_prefix(ino: int) -> bytes:
+    return b"c/%016x/" % ino
+
+
+def chunk(ino: int, index: int) -> bytes:
+    return b"c/%016x/%08x" % (ino, index)
+
+
+def xattr_prefix(ino: int) -> bytes:
+    return b"x/%016x/" % ino
+
+
+def xattr(ino: int, name: bytes) -> bytes:
+    return b"x/%016x/" % ino + name
+
+
+def symlink(ino: int) -> bytes:
+    return b"l/%016x" % ino
+
+
+LAYERED_PREFIXES = (b"i/", b"d/", b"c/", b"x/", b"l/")

@@ -1,0 +1,156 @@
+"""The namespace of one tree over the KV: inodes, entries, slices, xattrs, symlinks.
+
+Every function takes the transaction and the tree's chain; nothing here commits. The
+POSIX rules (permissions, which errno when) live in vfs/; this module keeps the
+invariants of the stored structures: directory entries point at live inodes, stripe
+reference counts equal the number of stored slice lists that mention the stripe
+(so a stripe nobody references is queued for garbage collection in the same
+transaction that dropped its last reference).
+"""
+from __future__ import annotations
+
+import json
+
+from ..kv import Txn
+from . import keys
+from .layers import Chain, ldel, lget, lput, lscan, top_value
+from .records import Inode, Slice, Stripe, pack_dentry, pack_slices, unpack_dentry, unpack_slices
+
+ROOT = 1
+
+
+async def get_inode(txn: Txn, chain: Chain, ino: int) -> Inode | None:
+    v = await lget(txn, chain, keys.inode(ino))
+    return Inode.unpack(v) if v is not None else None
+
+
+async def put_inode(txn: Txn, chain: Chain, ino: int, inode: Inode) -> None:
+    await lput(txn, chain, keys.inode(ino), inode.pack())
+
+
+async def lookup(txn: Txn, chain: Chain, parent: int, name: bytes) -> tuple[int, int] | None:
+    """``(ino, type bits)`` of ``name`` in directory ``parent``, or None."""
+    v = await lget(txn, chain, keys.dentry(parent, name))
+    return unpack_dentry(v) if v is not None else None
+
+
+async def link_entry(txn: Txn, chain: Chain, parent: int, name: bytes, ino: int, mode: int):
+    await lput(txn, chain, keys.dentry(parent, name), pack_dentry(ino, mode))
+
+
+async def unlink_entry(txn: Txn, chain: Chain, parent: int, name: bytes):
+    await ldel(txn, chain, keys.dentry(parent, name))
+
+
+async def list_dir(txn: Txn, chain: Chain, parent: int) -> list[tuple[bytes, int, int]]:
+    """``(name, ino, type bits)`` of every entry, in name order."""
+    plen = len(keys.dir_prefix(parent))
+    return [(sub[plen:], *unpack_dentry(v))
+            for sub, v in await lscan(txn, chain, keys.dir_prefix(parent))]
+
+
+async def dir_is_empty(txn: Txn, chain: Chain, parent: int) -> bool:
+    return not await lscan(txn, chain, keys.dir_prefix(parent))
+
+
+# -- slices and stripe references ------------------------------------------------------
+async def get_chunk(txn: Txn, chain: Chain, ino: int, index: int) -> list[Slice]:
+    v = await lget(txn, chain, keys.chunk(ino, index))
+    return unpack_slices(v) if v else []
+
+
+async def chunk_indexes(txn: Txn, chain: Chain, ino: int) -> list[int]:
+    p = keys.chunk_prefix(ino)
+    return [int(sub[len(p):], 16) for sub, _ in await lscan(txn, chain, p)]
+
+
+async def put_chunk(txn: Txn, chain: Chain, ino: int, index: int, slices: list[Slice]):
+    """Store a chunk's slice list, moving stripe references from the old list to the new.
+
+    Only a version in the top layer is replaced; a version in a lower (frozen) layer
+    keeps its references because it is still part of older trees.
+    """
+    sub = keys.chunk(ino, index)
+    old = await top_value(txn, chain, sub)
+    old_sids = {s.sid for s in unpack_slices(old[1:])} if old and old[:1] == keys.LIVE else set()
+    new_sids = {s.sid for s in slices}
+    if slices:
+        await lput(txn, chain, sub, pack_slices(slices))
+    else:
+        await ldel(txn, chain, sub)
+    await adjust_refs(txn, new_sids - old_sids, +1)
+    await adjust_refs(txn, old_sids - new_sids, -1)
+
+
+async def adjust_refs(txn: Txn, sids, delta: int) -> None:
+    for sid in sids:
+        if sid == 0:
+            continue
+        raw = await txn.get(keys.stripe(sid))
+        if raw is None:
+            raise AssertionError(f"slice refers to missing stripe {sid}")
+        st = Stripe.unpack(raw)
+        st.refs += delta
+        if st.refs > 0:
+            txn.put(keys.stripe(sid), st.pack())
+        else:
+            txn.delete(keys.stripe(sid))
+            if st.kind != 0:
+                txn.put(keys.garbage(sid), raw)
+
+
+async def drop_file_data(txn: Txn, chain: Chain, ino: int) -> None:
+    for idx in await chunk_indexes(txn, chain, ino):
+        await put_chunk(txn, chain, ino, idx, [])
+
+
+async def delete_inode(txn: Txn, chain: Chain, ino: int, inode: Inode) -> None:
+    """Remove an inode and everything hanging off it (slices, xattrs, symlink)."""
+    if inode.is_reg():
+        await drop_file_data(txn, chain, ino)
+    for sub, _ in await lscan(txn, chain, keys.xattr_prefix(ino)):
+        await ldel(txn, chain, sub)
+    await ldel(txn, chain, keys.symlink(ino))
+    await ldel(txn, chain, keys.inode(ino))
+
+
+# -- xattrs and symlinks ----------------------------------------------------------------
+async def get_xattr(txn, chain, ino, name: bytes) -> bytes | None:
+    return await lget(txn, chain, keys.xattr(ino, name))
+
+
+async def set_xattr(txn, chain, ino, name: bytes, value: bytes) -> None:
+    await lput(txn, chain, keys.xattr(ino, name), value)
+
+
+async def remove_xattr(txn, chain, ino, name: bytes) -> None:
+    await ldel(txn, chain, keys.xattr(ino, name))
+
+
+async def list_xattrs(txn, chain, ino) -> list[bytes]:
+    p = keys.xattr_prefix(ino)
+    return [sub[len(p):] for sub, _ in await lscan(txn, chain, p)]
+
+
+async def get_symlink(txn, chain, ino) -> bytes | None:
+    return await lget(txn, chain, keys.symlink(ino))
+
+
+async def set_symlink(txn, chain, ino, target: bytes) -> None:
+    await lput(txn, chain, keys.symlink(ino), target)
+
+
+# -- counters ---------------------------------------------------------------------------
+async def allocate(kv, name: str, count: int) -> int:
+    """Reserve ``count`` consecutive numbers of counter ``name``; returns the first."""
+    async def fn(txn):
+        v = await txn.get(keys.counter(name))
+        first = int(v) if v else 1
+        txn.put(keys.counter(name), str(first + count).encode())
+        return first
+    return await kv.transact(fn)
+
+
+async def load_json(txn_or_kv, key: bytes):
+    v = await txn_or_kv.get(key)
+    return json.loads(v) if v is not None else None

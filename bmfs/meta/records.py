@@ -1,0 +1,158 @@
+"""Binary encodings of metadata values (inodes, directory entries, slices, stripes).
+
+Each struct is fixed-layout little-endian; the layout is part of FORMAT_REVISION.
+"""
+from __future__ import annotations
+
+import stat
+import struct
+from dataclasses import dataclass, field
+
+_INODE = struct.Struct("<IIIIQqqqQQ")
+
+
+@dataclass(slots=True)
+class Inode:
+    mode: int
+    uid: int = 0
+    gid: int = 0
+    nlink: int = 1
+    size: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    rdev: int = 0
+    parent: int = 0  # directories: the directory holding them
+
+    def pack(self) -> bytes:
+        return _INODE.pack(self.mode, self.uid, self.gid, self.nlink, self.size,
+                           self.atime_ns, self.mtime_ns, self.ctime_ns, self.rdev, self.parent)
+
+    @classmethod
+    def unpack(cls, b: bytes) -> "Inode":
+        return cls(*_INODE.unpack(b))
+
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    def is_reg(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+    def copy(self) -> "Inode":
+        return Inode(self.mode, self.uid, self.gid, self.nlink, self.size,
+                     self.atime_ns, self.mtime_ns, self.ctime_ns, self.rdev, self.parent)
+
+
+_DENTRY = struct.Struct("<QI")
+
+
+def pack_dentry(ino: int, mode: int) -> bytes:
+    return _DENTRY.pack(ino, stat.S_IFMT(mode))
+
+
+def unpack_dentry(b: bytes) -> tuple[int, int]:
+    return _DENTRY.unpack(b)
+
+
+# A slice: bytes [pos, pos+length) of a chunk come from stripe `sid` at `soff`.
+# sid 0 is a hole (zeros). Later slices in the list shadow earlier ones.
+_SLICE = struct.Struct("<IIQI")
+
+
+@dataclass(slots=True)
+class Slice:
+    pos: int
+    length: int
+    sid: int
+    soff: int
+
+
+def pack_slices(slices: list[Slice]) -> bytes:
+    return b"".join(_SLICE.pack(s.pos, s.length, s.sid, s.soff) for s in slices)
+
+
+def unpack_slices(b: bytes) -> list[Slice]:
+    return [Slice(*t) for t in _SLICE.iter_unpack(b)]
+
+
+def visible(slices: list[Slice], start: int, end: int) -> list[Slice]:
+    """The pieces of [start, end) each slice still shows, in offset order.
+
+    Gaps (no slice) are returned as holes (sid 0). Newest slice wins.
+    """
+    # Paint from newest to oldest, keeping a sorted list of uncovered intervals.
+    uncovered = [(start, end)]
+    pieces: list[Slice] = []
+    for s in reversed(slices):
+        if not uncovered:
+            break
+        s_end = s.pos + s.length
+        nxt = []
+        for a, b in uncovered:
+            lo, hi = max(a, s.pos), min(b, s_end)
+            if lo >= hi:
+                nxt.append((a, b))
+                continue
+            pieces.append(Slice(lo, hi - lo, s.sid, s.soff + (lo - s.pos)))
+            if a < lo:
+                nxt.append((a, lo))
+            if hi < b:
+                nxt.append((hi, b))
+        uncovered = nxt
+    pieces.extend(Slice(a, b - a, 0, 0) for a, b in uncovered)
+    pieces.sort(key=lambda p: p.pos)
+    return pieces
+
+
+def compact(slices: list[Slice], limit: int) -> list[Slice]:
+    """Drop slices fully shadowed by newer ones and cut everything at ``limit``."""
+    out = [p for p in visible(slices, 0, limit) if p.sid != 0 or p.length]
+    # merge neighbours that continue each other in the same stripe
+    merged: list[Slice] = []
+    for p in out:
+        if p.sid == 0:
+            continue
+        if merged and merged[-1].sid == p.sid and merged[-1].pos + merged[-1].length == p.pos \
+                and merged[-1].soff + merged[-1].length == p.soff:
+            merged[-1].length += p.length
+        else:
+            merged.append(p)
+    return merged
+
+
+INLINE, EC = 0, 1
+_STRIPE = struct.Struct("<BBBBII")
+NO_DEVICE = 0xFFFF
+
+
+@dataclass(slots=True)
+class Stripe:
+    """A stripe: immutable data, either inline in the metadata or erasure-coded.
+
+    ``frag_len`` is the length of each pyeclib fragment (its 80-byte header included);
+    ``devices[i]`` holds fragment i (NO_DEVICE if it could not be stored).
+    """
+    kind: int
+    length: int
+    refs: int = 0
+    k: int = 0
+    m: int = 0
+    frag_len: int = 0
+    devices: list[int] = field(default_factory=list)
+    data: bytes = b""
+
+    def pack(self) -> bytes:
+        head = _STRIPE.pack(self.kind, self.k, self.m, 0, self.refs, self.length)
+        if self.kind == INLINE:
+            return head + self.data
+        return head + struct.pack("<I%dH" % len(self.devices), self.frag_len, *self.devices)
+
+    @classmethod
+    def unpack(cls, b: bytes) -> "Stripe":
+        kind, k, m, _, refs, length = _STRIPE.unpack_from(b)
+        rest = b[_STRIPE.size:]
+        if kind == INLINE:
+            return cls(INLINE, length, refs, data=bytes(rest))
+        n = k + m
+        frag_len, *devs = struct.unpack_from("<I%dH" % n, rest)
+        return cls(EC, length, refs, k, m, frag_len, list(devs))

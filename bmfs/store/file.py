@@ -1,0 +1,144 @@
+"""A device that is a directory of fragment files (an NVMe filesystem, or any dir).
+
+Layout: ``DEVICE`` (JSON: volume uuid, device id, format revision) and
+``frags/<last two hex digits of the stripe id>/<stripe id>.<index>``. A fragment is
+written to a temporary name and renamed, so a crash never leaves half a fragment
+under its real name. ``sync()`` makes every fragment written since the last sync
+durable: fsync of each file and directory, or one syncfs(2) when there are many.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+
+from ..errors import VolumeError
+
+_libc = ctypes.CDLL(None, use_errno=True)
+SYNCFS_THRESHOLD = 32
+
+
+class FileStore:
+    def __init__(self, path: str, volume_uuid: str, dev: int):
+        self.path = path
+        self.dev = dev
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._check_marker(volume_uuid)
+
+    @staticmethod
+    def format(path: str, volume_uuid: str, dev: int) -> None:
+        os.makedirs(os.path.join(path, "frags"), exist_ok=True)
+        marker = os.path.join(path, "DEVICE")
+        if os.path.exists(marker):
+            raise VolumeError(f"{path} already belongs to a bmfs volume")
+        with open(marker, "w") as f:
+            json.dump({"volume": volume_uuid, "device": dev, "format": 1}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _check_marker(self, volume_uuid):
+        try:
+            with open(os.path.join(self.path, "DEVICE")) as f:
+                info = json.load(f)
+        except FileNotFoundError:
+            raise VolumeError(f"device {self.dev} at {self.path} is missing (no DEVICE marker)")
+        except (OSError, ValueError) as e:
+            raise VolumeError(f"device {self.dev} at {self.path} is unreadable: {e}")
+        if info.get("volume") != volume_uuid or info.get("device") != self.dev:
+            raise VolumeError(f"{self.path} belongs to another volume or device")
+
+    def _file(self, name: str) -> str:
+        sid_hex = name.split(".", 1)[0]
+        return os.path.join(self.path, "frags", sid_hex[-2:], name)
+
+    def write(self, name: str, parts) -> None:
+        path = self._file(name)
+        tmp = path + ".tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            total = sum(len(p) for p in parts)
+            n = os.writev(fd, parts)
+            if n != total:  # short write: finish it
+                os.write(fd, b"".join(bytes(p) for p in parts)[n:])
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        with self._lock:
+            self._pending.add(path)
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        fd = os.open(self._file(name), os.O_RDONLY)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def read_parts(self, name: str, ranges) -> list[bytes]:
+        fd = os.open(self._file(name), os.O_RDONLY)
+        try:
+            return [os.pread(fd, length, offset) for offset, length in ranges]
+        finally:
+            os.close(fd)
+
+    def delete(self, name: str) -> None:
+        try:
+            os.unlink(self._file(name))
+        except FileNotFoundError:
+            pass
+
+    def sync(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, set()
+        if not pending:
+            return
+        if len(pending) >= SYNCFS_THRESHOLD:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                if _libc.syncfs(fd) != 0:
+                    raise OSError(ctypes.get_errno(), "syncfs failed")
+            finally:
+                os.close(fd)
+            return
+        dirs = set()
+        for path in pending:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # deleted since
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dirs.add(os.path.dirname(path))
+        for d in dirs:
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def names(self):
+        """Every fragment name stored (temporary files of interrupted writes excluded)."""
+        root = os.path.join(self.path, "frags")
+        for sub in sorted(os.listdir(root)):
+            for name in os.listdir(os.path.join(root, sub)):
+                if not name.endswith(".tmp"):
+                    yield name
+
+    def usage(self) -> dict:
+        st = os.statvfs(self.path)
+        return {"total": st.f_blocks * st.f_frsize, "free": st.f_bavail * st.f_frsize}
+
+    def check(self) -> None:
+        """Raise VolumeError if the device directory vanished or was replaced."""
+        self._check_marker_uuid_only()
+
+    def _check_marker_uuid_only(self):
+        if not os.path.exists(os.path.join(self.path, "DEVICE")):
+            raise VolumeError(f"device {self.dev} at {self.path} is missing")

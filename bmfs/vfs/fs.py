@@ -1,0 +1,523 @@
+"""POSIX rules over the namespace and the data path, without FUSE.
+
+``FileSystem`` takes kernel-style inode numbers (see views.py) and names as bytes,
+returns :class:`Attr` records, and raises :class:`~bmfs.errors.FsError` subclasses.
+Permission checks are the kernel's (the mount uses ``default_permissions``); this
+layer keeps what the kernel cannot: name limits, directory emptiness, link counts,
+set-gid inheritance, read-only snapshots, branch boundaries. Each mutation is one
+metadata transaction (retried on conflict); file data goes through files.py.
+"""
+from __future__ import annotations
+
+import json
+import stat
+import time
+from dataclasses import dataclass
+
+from ..config import MAX_NAME
+from ..errors import (CrossDevice, Exists, Invalid, IsDir, NameTooLong, NoAttr, NotDir,
+                      NotEmpty, NotFound, NotSupported, Perm, Range, ReadOnly)
+from ..meta import keys
+from ..meta import namespace as ns
+from ..meta.records import Inode
+from .files import Files
+from .views import (CTL_BRANCHES, CTL_FILE, CTL_NAME, CTL_ROOT, CTL_SNAPSHOTS, CTL_VIEW,
+                    INO_MASK, VIEW_SHIFT, Views)
+
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+XATTR_CREATE, XATTR_REPLACE = 1, 2
+
+
+@dataclass(slots=True)
+class Attr:
+    ino: int
+    mode: int
+    nlink: int = 1
+    uid: int = 0
+    gid: int = 0
+    rdev: int = 0
+    size: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+
+
+def _attr(fino: int, i: Inode) -> Attr:
+    return Attr(fino, i.mode, i.nlink, i.uid, i.gid, i.rdev, i.size, i.atime_ns, i.mtime_ns,
+                i.ctime_ns)
+
+
+def check_name(name: bytes) -> None:
+    if len(name) > MAX_NAME:
+        raise NameTooLong(f"name of {len(name)} bytes; the limit is {MAX_NAME}")
+    if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+        raise Invalid(f"invalid name {name!r}")
+
+
+class FileSystem:
+    """One mount's view of a volume. Create with ``await FileSystem.create(volume)``."""
+
+    def __init__(self, volume, views: Views):
+        self.volume = volume
+        self.kv = volume.kv
+        self.views = views
+        self.files = Files(self)
+        self.control = None  # set by control.py (branch commands through /.bm/ctl)
+        self._ino_next = self._ino_end = 0
+        self._start = time.time_ns()
+
+    @classmethod
+    async def create(cls, volume, branch: str = "main") -> "FileSystem":
+        views = Views(volume.kv)
+        await views.add("branch", branch, view_id=0)
+        fs = cls(volume, views)
+        from .control import Control
+        fs.control = Control(fs)
+        await fs.files.reap_orphans(views.get(0))
+        return fs
+
+    # -- helpers ----------------------------------------------------------------------------
+    def split(self, fino: int):
+        view = fino >> VIEW_SHIFT
+        return self.views.get(view), fino & INO_MASK
+
+    def join(self, view, ino: int) -> int:
+        return view.id << VIEW_SHIFT | ino
+
+    async def _alloc_ino(self) -> int:
+        if self._ino_next >= self._ino_end:
+            self._ino_next = await ns.allocate(self.kv, "ino", 1024)
+            self._ino_end = self._ino_next + 1024
+        self._ino_next += 1
+        return self._ino_next - 1
+
+    async def mutate(self, view, fn):
+        """Run ``fn(txn, chain)`` as one transaction on a writable view, retrying on conflict.
+
+        The branch record is read first, so a branch operation that moved the head
+        makes a concurrent mutation conflict and retry on the new chain.
+        """
+        if not view.writable:
+            raise ReadOnly(f"snapshot {view.name!r} is read-only")
+
+        async def body(txn):
+            raw = await txn.get(keys.branch(view.name))
+            if raw is None:
+                raise NotFound(f"branch {view.name!r} was deleted")
+            head = json.loads(raw)["head"]
+            if head != view.chain.top:
+                view.chain = await self.views.chain_from(head, view.name)
+            return await fn(txn, view.chain)
+        return await self.kv.transact(body)
+
+    async def _get(self, txn, chain, ino) -> Inode:
+        i = await ns.get_inode(txn, chain, ino)
+        if i is None:
+            raise NotFound(f"inode {ino} is gone")
+        return i
+
+    async def _dir(self, txn, chain, ino) -> Inode:
+        i = await self._get(txn, chain, ino)
+        if not i.is_dir():
+            raise NotDir()
+        return i
+
+    @staticmethod
+    def _touch(i: Inode, now: int, m=True, c=True):
+        if m:
+            i.mtime_ns = now
+        if c:
+            i.ctime_ns = now
+
+    # -- reads ------------------------------------------------------------------------------
+    async def getattr(self, fino: int) -> Attr:
+        if fino >> VIEW_SHIFT == CTL_VIEW:
+            return self.control.getattr(fino)
+        view, ino = self.split(fino)
+        i = await self._get(self.kv.begin(), view.chain, ino)
+        self.files.overlay(view, ino, i)
+        if not view.writable:
+            i.mode &= ~0o222
+        return _attr(fino, i)
+
+    async def lookup(self, parent: int, name: bytes) -> Attr:
+        if len(name) > MAX_NAME:
+            raise NameTooLong()
+        if parent >> VIEW_SHIFT == CTL_VIEW:
+            return await self.control.lookup(parent, name)
+        if parent == 1 and name == CTL_NAME:
+            return self.control.getattr(CTL_ROOT)
+        view, ino = self.split(parent)
+        txn = self.kv.begin()
+        if name == b".":
+            return await self.getattr(parent)
+        if name == b"..":
+            return await self.getattr(self.join(view, (await self._get(txn, view.chain, ino)).parent or 1))
+        ent = await ns.lookup(txn, view.chain, ino, name)
+        if ent is None:
+            raise NotFound()
+        return await self.getattr(self.join(view, ent[0]))
+
+    async def readlink(self, fino: int) -> bytes:
+        view, ino = self.split(fino)
+        t = await ns.get_symlink(self.kv.begin(), view.chain, ino)
+        if t is None:
+            raise Invalid("not a symlink")
+        return t
+
+    async def readdir(self, fino: int) -> list[tuple[bytes, Attr]]:
+        """Every entry of a directory (names and types only in the Attr)."""
+        if fino >> VIEW_SHIFT == CTL_VIEW:
+            return await self.control.readdir(fino)
+        view, ino = self.split(fino)
+        txn = self.kv.begin()
+        await self._dir(txn, view.chain, ino)
+        return [(name, Attr(self.join(view, cino), fmt))
+                for name, cino, fmt in await ns.list_dir(txn, view.chain, ino)]
+
+    async def statfs(self) -> dict:
+        tot = free = 0
+        for store in self.volume.transport.stores.values():
+            if isinstance(store, Exception):
+                continue
+            u = store.usage()
+            tot += u["total"]
+            free += u["free"]
+        k, m = self.volume.settings.k, self.volume.settings.m
+        # many devices may share one filesystem: never report more than one of them
+        n = max(1, len(self.volume.transport.stores))
+        return {"bsize": 4096, "blocks": tot * k // (k + m) // 4096 // max(1, n // (k + m)),
+                "bfree": free * k // (k + m) // 4096 // max(1, n // (k + m)),
+                "files": 1 << 40, "ffree": 1 << 40, "namemax": MAX_NAME}
+
+    # -- creating ---------------------------------------------------------------------------
+    async def _make(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                    rdev: int = 0, target: bytes | None = None) -> Attr:
+        check_name(name)
+        if parent >> VIEW_SHIFT == CTL_VIEW:
+            raise Perm("the control directory cannot hold files")
+        view, pino = self.split(parent)
+        ino = await self._alloc_ino()
+
+        async def fn(txn, chain):
+            p = await self._dir(txn, chain, pino)
+            if await ns.lookup(txn, chain, pino, name) is not None or \
+                    (pino == 1 and view.id == 0 and name == CTL_NAME):
+                raise Exists()
+            now = time.time_ns()
+            g, md = gid, mode
+            if p.mode & stat.S_ISGID:
+                g = p.gid
+                if stat.S_ISDIR(mode):
+                    md |= stat.S_ISGID
+            i = Inode(md, uid, g, 2 if stat.S_ISDIR(mode) else 1, 0, now, now, now, rdev,
+                      pino if stat.S_ISDIR(mode) else 0)
+            if target is not None:
+                i.size = len(target)
+                await ns.set_symlink(txn, chain, ino, target)
+            await ns.put_inode(txn, chain, ino, i)
+            await ns.link_entry(txn, chain, pino, name, ino, md)
+            if stat.S_ISDIR(mode):
+                p.nlink += 1
+            self._touch(p, now)
+            await ns.put_inode(txn, chain, pino, p)
+            return i
+        i = await self.mutate(view, fn)
+        return _attr(self.join(view, ino), i)
+
+    async def mknod(self, parent, name, mode, rdev, uid, gid) -> Attr:
+        if stat.S_IFMT(mode) == 0:
+            mode |= stat.S_IFREG
+        return await self._make(parent, name, mode, uid, gid, rdev)
+
+    async def mkdir(self, parent, name, mode, uid, gid) -> Attr:
+        return await self._make(parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid)
+
+    async def symlink(self, parent, name, target: bytes, uid, gid) -> Attr:
+        if len(target) > 4095:
+            raise NameTooLong("symlink target longer than 4095 bytes")
+        return await self._make(parent, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+
+    async def link(self, fino: int, new_parent: int, name: bytes) -> Attr:
+        check_name(name)
+        view, ino = self.split(fino)
+        pview, pino = self.split(new_parent)
+        if pview is not view:
+            raise CrossDevice("hard links cannot cross branches")
+
+        async def fn(txn, chain):
+            i = await self._get(txn, chain, ino)
+            if i.is_dir():
+                raise Perm("hard links to directories are not allowed")
+            p = await self._dir(txn, chain, pino)
+            if await ns.lookup(txn, chain, pino, name) is not None:
+                raise Exists()
+            if i.nlink == 0:
+                raise NotFound("the file was deleted")
+            now = time.time_ns()
+            i.nlink += 1
+            i.ctime_ns = now
+            self._touch(p, now)
+            await ns.link_entry(txn, chain, pino, name, ino, i.mode)
+            await ns.put_inode(txn, chain, ino, i)
+            await ns.put_inode(txn, chain, pino, p)
+            return i
+        i = await self.mutate(view, fn)
+        self.files.overlay(view, ino, i)
+        return _attr(fino, i)
+
+    # -- removing ---------------------------------------------------------------------------
+    async def _drop_link(self, txn, chain, view, ino: int, i: Inode, now: int) -> None:
+        """One name of ``ino`` is gone: free it when no name and no open handle is left."""
+        i.nlink -= 1 if not i.is_dir() else i.nlink
+        i.ctime_ns = now
+        if i.nlink > 0:
+            await ns.put_inode(txn, chain, ino, i)
+        elif self.files.is_open(view, ino):
+            await ns.put_inode(txn, chain, ino, i)
+            txn.put(keys.orphan(chain.top, ino), b"")
+        else:
+            await ns.delete_inode(txn, chain, ino, i)
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        await self._remove(parent, name, want_dir=False)
+
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        await self._remove(parent, name, want_dir=True)
+
+    async def _remove(self, parent, name, want_dir):
+        if len(name) > MAX_NAME:
+            raise NameTooLong()
+        if parent >> VIEW_SHIFT == CTL_VIEW:
+            raise Perm("use `bmfs branch delete` / `bmfs snapshot delete`")
+        view, pino = self.split(parent)
+        if name == b".":
+            raise Invalid()
+        if name == b"..":
+            raise NotEmpty()
+
+        async def fn(txn, chain):
+            p = await self._dir(txn, chain, pino)
+            ent = await ns.lookup(txn, chain, pino, name)
+            if ent is None:
+                raise NotFound()
+            ino = ent[0]
+            i = await self._get(txn, chain, ino)
+            if want_dir and not i.is_dir():
+                raise NotDir()
+            if not want_dir and i.is_dir():
+                raise IsDir()
+            if i.is_dir():
+                if not await ns.dir_is_empty(txn, chain, ino):
+                    raise NotEmpty()
+                p.nlink -= 1
+            now = time.time_ns()
+            await ns.unlink_entry(txn, chain, pino, name)
+            self._touch(p, now)
+            await ns.put_inode(txn, chain, pino, p)
+            await self._drop_link(txn, chain, view, ino, i, now)
+            return ino, i
+        ino, i = await self.mutate(view, fn)
+        self.files.overlay_update(view, ino, i)
+
+    async def rename(self, p1: int, n1: bytes, p2: int, n2: bytes, flags: int = 0) -> None:
+        check_name(n2)
+        if len(n1) > MAX_NAME:
+            raise NameTooLong()
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == 3:
+            raise Invalid("unsupported rename flags")
+        if CTL_VIEW in (p1 >> VIEW_SHIFT, p2 >> VIEW_SHIFT):
+            raise Perm("use `bmfs branch` commands for the control directory")
+        v1, d1 = self.split(p1)
+        v2, d2 = self.split(p2)
+        if v1 is not v2:
+            raise CrossDevice("rename across branches")
+        view = v1
+
+        async def fn(txn, chain):
+            pa = await self._dir(txn, chain, d1)
+            pb = pa if d2 == d1 else await self._dir(txn, chain, d2)
+            src = await ns.lookup(txn, chain, d1, n1)
+            if src is None:
+                raise NotFound()
+            dst = await ns.lookup(txn, chain, d2, n2)
+            si = await self._get(txn, chain, src[0])
+            if flags & RENAME_EXCHANGE and dst is None:
+                raise NotFound()
+            if flags & RENAME_NOREPLACE and dst is not None:
+                raise Exists()
+            if dst is not None and dst[0] == src[0]:
+                return None  # two names of one file: POSIX says do nothing
+            if si.is_dir() and d2 != d1:
+                await self._check_not_ancestor(txn, chain, src[0], d2)
+            di = await self._get(txn, chain, dst[0]) if dst is not None else None
+            if di is not None and di.is_dir() and flags & RENAME_EXCHANGE and d2 != d1:
+                await self._check_not_ancestor(txn, chain, dst[0], d1)
+            now = time.time_ns()
+            if flags & RENAME_EXCHANGE:
+                await ns.link_entry(txn, chain, d1, n1, dst[0], di.mode)
+                await ns.link_entry(txn, chain, d2, n2, src[0], si.mode)
+                if si.is_dir() != di.is_dir() and d1 != d2:
+                    delta = 1 if di.is_dir() else -1
+                    pa.nlink += delta
+                    pb.nlink -= delta
+                for ino_, i_, par in ((src[0], si, d2), (dst[0], di, d1)):
+                    i_.ctime_ns = now
+                    if i_.is_dir():
+                        i_.parent = par
+                    await ns.put_inode(txn, chain, ino_, i_)
+            else:
+                if di is not None:
+                    if si.is_dir() and not di.is_dir():
+                        raise NotDir()
+                    if not si.is_dir() and di.is_dir():
+                        raise IsDir()
+                    if di.is_dir():
+                        if not await ns.dir_is_empty(txn, chain, dst[0]):
+                            raise NotEmpty()
+                        pb.nlink -= 1
+                    await self._drop_link(txn, chain, view, dst[0], di, now)
+                await ns.unlink_entry(txn, chain, d1, n1)
+                await ns.link_entry(txn, chain, d2, n2, src[0], si.mode)
+                if si.is_dir() and d1 != d2:
+                    pa.nlink -= 1
+                    pb.nlink += 1
+                si.ctime_ns = now
+                if si.is_dir():
+                    si.parent = d2
+                await ns.put_inode(txn, chain, src[0], si)
+            self._touch(pa, now)
+            await ns.put_inode(txn, chain, d1, pa)
+            if pb is not pa:
+                self._touch(pb, now)
+                await ns.put_inode(txn, chain, d2, pb)
+            return dst[0] if dst and not flags & RENAME_EXCHANGE else None, di
+        res = await self.mutate(view, fn)
+        if res and res[0] is not None:
+            self.files.overlay_update(view, res[0], res[1])
+
+    async def _check_not_ancestor(self, txn, chain, dir_ino: int, target_parent: int):
+        """EINVAL if ``target_parent`` is ``dir_ino`` or inside it."""
+        cur, seen = target_parent, 0
+        while cur and cur != 1:
+            if cur == dir_ino:
+                raise Invalid("cannot move a directory into itself")
+            cur = (await self._get(txn, chain, cur)).parent
+            seen += 1
+            if seen > 100000:
+                break
+        if cur == dir_ino:
+            raise Invalid("cannot move a directory into itself")
+
+    # -- attributes -------------------------------------------------------------------------
+    async def setattr(self, fino: int, mode=None, uid=None, gid=None, size=None,
+                      atime_ns=None, mtime_ns=None, ctime_ns=None) -> Attr:
+        if fino >> VIEW_SHIFT == CTL_VIEW:
+            raise Perm("the control directory cannot be changed")
+        view, ino = self.split(fino)
+        if size is not None:
+            return await self.files.truncate(view, ino, size, mtime_ns, ctime_ns)
+
+        async def fn(txn, chain):
+            i = await self._get(txn, chain, ino)
+            if mode is not None:
+                i.mode = stat.S_IFMT(i.mode) | (mode & 0o7777)
+            if uid is not None:
+                i.uid = uid
+            if gid is not None:
+                i.gid = gid
+            if atime_ns is not None:
+                i.atime_ns = atime_ns
+            if mtime_ns is not None:
+                i.mtime_ns = mtime_ns
+            i.ctime_ns = ctime_ns if ctime_ns is not None else time.time_ns()
+            await ns.put_inode(txn, chain, ino, i)
+            return i
+        i = await self.mutate(view, fn)
+        self.files.overlay_update(view, ino, i)
+        return await self.getattr(fino)
+
+    # -- xattrs -----------------------------------------------------------------------------
+    @staticmethod
+    def _xname(name: bytes):
+        if not name or len(name) > 255:
+            raise Range("bad extended attribute name") if name else Invalid()
+        if name.startswith(b"system."):
+            raise NotSupported("system.* attributes (ACLs) are not supported")
+
+    async def getxattr(self, fino: int, name: bytes) -> bytes:
+        if fino >> VIEW_SHIFT == CTL_VIEW:
+            raise NoAttr()
+        self._xname(name)
+        view, ino = self.split(fino)
+        v = await ns.get_xattr(self.kv.begin(), view.chain, ino, name)
+        if v is None:
+            raise NoAttr()
+        return v
+
+    async def listxattr(self, fino: int) -> list[bytes]:
+        if fino >> VIEW_SHIFT == CTL_VIEW:
+            return []
+        view, ino = self.split(fino)
+        return await ns.list_xattrs(self.kv.begin(), view.chain, ino)
+
+    async def setxattr(self, fino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        if fino >> VIEW_SHIFT == CTL_VIEW:
+            raise Perm()
+        self._xname(name)
+        if len(value) > 65536:
+            raise Range("extended attribute values are limited to 64 KiB")
+        view, ino = self.split(fino)
+
+        async def fn(txn, chain):
+            i = await self._get(txn, chain, ino)
+            old = await ns.get_xattr(txn, chain, ino, name)
+            if flags & XATTR_CREATE and old is not None:
+                raise Exists()
+            if flags & XATTR_REPLACE and old is None:
+                raise NoAttr()
+            await ns.set_xattr(txn, chain, ino, name, value)
+            i.ctime_ns = time.time_ns()
+            await ns.put_inode(txn, chain, ino, i)
+            return i
+        self.files.overlay_update(view, ino, await self.mutate(view, fn))
+
+    async def removexattr(self, fino: int, name: bytes) -> None:
+        if fino >> VIEW_SHIFT == CTL_VIEW:
+            raise Perm()
+        self._xname(name)
+        view, ino = self.split(fino)
+
+        async def fn(txn, chain):
+            i = await self._get(txn, chain, ino)
+            if await ns.get_xattr(txn, chain, ino, name) is None:
+                raise NoAttr()
+            await ns.remove_xattr(txn, chain, ino, name)
+            i.ctime_ns = time.time_ns()
+            await ns.put_inode(txn, chain, ino, i)
+            return i
+        self.files.overlay_update(view, ino, await self.mutate(view, fn))
+
+    # -- files: delegated to files.py -------------------------------------------------------
+    async def create_file(self, parent, name, mode, flags, uid, gid):
+        a = await self._make(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid)
+        fh = await self.files.open(a.ino, flags, created=True)
+        return fh, a
+
+    async def open(self, fino: int, flags: int) -> int:
+        if fino == CTL_FILE:
+            return self.control.open()
+        if fino >> VIEW_SHIFT == CTL_VIEW:
+            raise IsDir()
+        return await self.files.open(fino, flags)
+
+    async def volume_gc(self) -> int:
+        from .gc import collect
+        return await collect(self.volume)
+
+    async def fsyncdir(self) -> None:
+        await self.kv.sync()
+
+    async def aclose(self) -> None:
+        await self.files.close_all()
+

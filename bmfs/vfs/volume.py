@@ -1,0 +1,140 @@
+"""A volume: its metadata engine, settings, devices and data client, opened together.
+
+A single-machine volume is a directory holding ``volume.json`` (where the metadata
+lives; everything else is in the metadata), the SQLite metadata, and, unless other
+paths were given to mkfs, its k+m device directories ``dev0`` ... ``devN``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid as uuidlib
+
+from ..config import VolumeSettings
+from ..data.client import DataClient
+from ..errors import VolumeError
+from ..kv import open_kv
+from ..meta import keys
+from ..meta.namespace import ROOT
+from ..meta.records import Inode
+from ..store.file import FileStore
+from ..transport.local import LocalTransport
+
+log = logging.getLogger(__name__)
+VOLUME_FILE = "volume.json"
+
+
+def _read_volume_file(path: str) -> dict:
+    vf = os.path.join(path, VOLUME_FILE)
+    if not os.path.isdir(path):
+        raise VolumeError(f"{path}: no such volume directory")
+    try:
+        with open(vf) as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        raise VolumeError(f"{path} is not a bmfs volume (no {VOLUME_FILE})")
+    except (OSError, ValueError) as e:
+        raise VolumeError(f"{path}: unreadable {VOLUME_FILE}: {e}")
+    if info.get("magic") != "bmfs-volume":
+        raise VolumeError(f"{path}: {VOLUME_FILE} is not a bmfs volume file")
+    return info
+
+
+async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = None,
+               meta: str | None = None, fragment_size: int = 1 << 20) -> VolumeSettings:
+    """Create a volume in directory ``path``. Raises VolumeError if one is there already."""
+    if os.path.exists(os.path.join(path, VOLUME_FILE)):
+        raise VolumeError(f"{path} already holds a bmfs volume")
+    if devices and len(devices) != k + m:
+        raise VolumeError(f"--ec {k}+{m} needs exactly {k + m} devices, {len(devices)} given")
+    os.makedirs(path, exist_ok=True)
+    devices = [os.path.abspath(d) for d in devices] if devices else \
+        [os.path.join(os.path.abspath(path), f"dev{i}") for i in range(k + m)]
+    if len(set(devices)) != len(devices):
+        raise VolumeError("the same device path is given twice")
+    settings = VolumeSettings(uuid=str(uuidlib.uuid4()), k=k, m=m,
+                              fragment_size=fragment_size, created=time.time())
+    meta = meta or f"sqlite:{os.path.abspath(path)}/meta.db"
+    kv = await open_kv(meta)
+    try:
+        if await kv.get(keys.SETTINGS) is not None:
+            raise VolumeError(f"the metadata at {meta} already holds a volume")
+        for i, d in enumerate(devices):
+            FileStore.format(d, settings.uuid, i)
+        txn = kv.begin()
+        txn.put(keys.SETTINGS, json.dumps(settings.to_json()).encode())
+        for i, d in enumerate(devices):
+            txn.put(keys.device(i), json.dumps({"path": d, "node": "local"}).encode())
+        now = time.time_ns()
+        root = Inode(mode=0o40755, nlink=2, atime_ns=now, mtime_ns=now, ctime_ns=now)
+        txn.put(keys.counter("ino"), b"%d" % (ROOT + 1))
+        txn.put(keys.counter("layer"), b"2")
+        txn.put(keys.layer(1), json.dumps({"parent": None}).encode())
+        txn.put(keys.branch("main"), json.dumps({"head": 1, "created": time.time()}).encode())
+        txn.put(keys.inode(ROOT) + b"@%08x" % 1, keys.LIVE + root.pack())
+        await kv.commit(txn)
+        await kv.sync()
+    finally:
+        await kv.aclose()
+    with open(os.path.join(path, VOLUME_FILE) + ".tmp", "w") as f:
+        json.dump({"magic": "bmfs-volume", "meta": meta, "uuid": settings.uuid}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(os.path.join(path, VOLUME_FILE) + ".tmp", os.path.join(path, VOLUME_FILE))
+    return settings
+
+
+class Volume:
+    """An opened volume. Create with ``await Volume.open(path)``; close with ``aclose``."""
+
+    def __init__(self, path, kv, settings, transport, data, device_paths):
+        self.path = path
+        self.kv = kv
+        self.settings = settings
+        self.transport = transport
+        self.data = data
+        self.device_paths = device_paths
+
+    @classmethod
+    async def open(cls, path: str, missing_ok_devices: bool = True) -> "Volume":
+        info = _read_volume_file(path)
+        kv = await open_kv(info["meta"])
+        try:
+            raw = await kv.get(keys.SETTINGS)
+            if raw is None:
+                raise VolumeError(f"{path}: the metadata at {info['meta']} holds no volume")
+            d = json.loads(raw)
+            if d.get("format") != keys.FORMAT_REVISION:
+                raise VolumeError(f"{path}: volume format revision {d.get('format')}, this bmfs "
+                                  f"reads revision {keys.FORMAT_REVISION}")
+            settings = VolumeSettings.from_json(d)
+            if settings.uuid != info.get("uuid"):
+                raise VolumeError(f"{path}: {VOLUME_FILE} and the metadata name different volumes")
+            stores, paths = {}, {}
+            for k, v in await kv.range(keys.DEVICE_PREFIX, keys.DEVICE_PREFIX + b"\xff"):
+                dev = int(k[len(keys.DEVICE_PREFIX):], 16)
+                rec = json.loads(v)
+                paths[dev] = rec["path"]
+                try:
+                    stores[dev] = FileStore(rec["path"], settings.uuid, dev)
+                except VolumeError as e:
+                    stores[dev] = e
+            bad = [s for s in stores.values() if isinstance(s, Exception)]
+            if len(bad) > settings.m:
+                raise VolumeError(f"{path}: {len(bad)} devices unusable, at most {settings.m} "
+                                  f"may be: " + "; ".join(str(b) for b in bad))
+            for b in bad:
+                log.warning("degraded: %s", b)
+            transport = LocalTransport(stores)
+            devs = sorted(stores)
+            data = DataClient(transport, devs, settings.k, settings.m, settings.inline_max)
+            return cls(path, kv, settings, transport, data, paths)
+        except BaseException:
+            await kv.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        await self.transport.aclose()
+        await self.kv.aclose()

@@ -1,0 +1,1 @@
+"""flatc output for schemas/*.fbs (generated, do not edit)."""

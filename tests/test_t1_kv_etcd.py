@@ -1,0 +1,199 @@
+"""Level 1: the KV conformance suite, failover and watch on a real 3-member etcd cluster."""
+import socket
+import time
+
+import httpx
+import pytest
+import trio
+
+from bmfs.errors import NotFound, Unavailable
+from bmfs.kv import open_kv, prefix_end
+from bmfs.kv.etcd import REQ_PREFIX, EtcdKV, _b64
+from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
+from kv_conformance import CHECKS
+
+
+def run(cluster, fn, url=None):
+    """trio.run ``fn(kv)`` on a fresh engine connected to ``cluster``."""
+    async def main():
+        kv = await open_kv(url or cluster.url)
+        try:
+            return await fn(kv)
+        finally:
+            await kv.aclose()
+    return trio.run(main)
+
+
+async def _incr(txn):
+    n = int(await txn.get(b"ctr") or b"0") + 1
+    txn.put(b"ctr", b"%d" % n)
+    return n
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_conformance(etcd_cluster, check):
+    etcd_cluster.wipe()
+    run(etcd_cluster, check)
+
+
+def test_request_ids_hidden_and_leased(etcd_cluster):
+    etcd_cluster.wipe()
+
+    async def main(kv):
+        t = kv.begin()
+        t.put(b"a", b"1")
+        await kv.commit(t)
+        assert await kv.range(b"", b"") == [(b"a", b"1")]
+        ids = await kv._call("/v3/kv/range", {"key": _b64(REQ_PREFIX),
+                                              "range_end": _b64(prefix_end(REQ_PREFIX))})
+        assert int(ids["count"]) == 1 and ids["kvs"][0]["lease"] != "0"
+    run(etcd_cluster, main)
+
+
+def test_lost_answer_retry_is_idempotent(etcd_cluster):
+    """The first txn reaches etcd but its answer is 'lost': the retry must not apply twice."""
+    etcd_cluster.wipe()
+
+    async def main(kv):
+        await kv.transact(_incr)
+        real_post, lost = kv._client.post, []
+
+        async def post(url, **kw):
+            resp = await real_post(url, **kw)
+            if url.endswith("/v3/kv/txn") and not lost:
+                lost.append(url)
+                raise httpx.ReadError("connection dropped (simulated)")
+            return resp
+        kv._client.post = post
+        assert await kv.transact(_incr) == 2
+        assert lost and kv.failovers == 1
+        assert await kv.get(b"ctr") == b"2"
+    run(etcd_cluster, main)
+
+
+@pytest.mark.parametrize("talking_to", ["leader", "follower"])
+def test_leader_kill_loses_no_acknowledged_increment(etcd_cluster, talking_to):
+    etcd_cluster.wipe()
+    leader = etcd_cluster.leader_index()
+    first = leader if talking_to == "leader" else (leader + 1) % 3
+    order = [first] + [i for i in range(3) if i != first]
+    url = "etcd://" + ",".join(f"127.0.0.1:{etcd_cluster.client_ports[i]}" for i in order)
+    acks: list[float] = []
+    kill_at = [float("inf")]
+
+    async def worker(kv):
+        while sum(t > kill_at[0] for t in acks[-100:]) < 100:  # 100 commits after the kill
+            await kv.transact(_incr)
+            acks.append(trio.current_time())
+
+    async def main(kv):
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(worker, kv)
+                await trio.sleep(0.5)
+                etcd_cluster.kill(leader)
+                kill_at[0] = trio.current_time()
+        after = [kill_at[0]] + [t for t in acks if t > kill_at[0]]
+        stall = max(b - a for a, b in zip(after, after[1:]))
+        final = int(await kv.get(b"ctr"))
+        print(f"\netcd leader SIGKILL while talking to the {talking_to}: commits stalled "
+              f"{stall:.2f} s; {len(acks)} acknowledged, counter {final}, "
+              f"{kv.failovers} failovers")
+        assert final == len(acks)
+        assert stall < 8
+    try:
+        run(etcd_cluster, main, url)
+    finally:
+        etcd_cluster.restart(leader)
+
+
+def test_unreachable_endpoints_give_unavailable():
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections into the backlog, never answers
+    try:
+        hosts = [f"127.0.0.1:{s.getsockname()[1]}" for s in (refused, silent)]
+        url = "etcd://" + ",".join(hosts)
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match=hosts[1]) as exc:
+            trio.run(EtcdKV.create, url)
+        assert time.monotonic() - t0 < 5
+        assert hosts[0] in str(exc.value)
+
+        async def cut_off():
+            kv = EtcdKV(url, [f"http://{h}" for h in hosts], timeout=1.5, request_timeout=0.5)
+            try:
+                await kv.get(b"x")
+            finally:
+                await kv.aclose()
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="etcd unavailable"):
+            trio.run(cut_off)
+        assert time.monotonic() - t0 < 3
+    finally:
+        refused.close()
+        silent.close()
+
+
+def test_dead_endpoint_is_skipped(etcd_cluster):
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    try:
+        url = etcd_cluster.url.replace("etcd://", f"etcd://127.0.0.1:{dead.getsockname()[1]},")
+        run(etcd_cluster, lambda kv: kv.get(b"x"), url)
+    finally:
+        dead.close()
+
+
+def test_leases(etcd_cluster):
+    async def main(kv):
+        lease = await kv.grant_lease(5)
+        await kv.put_with_lease(b"n/1", b"up", lease)
+        assert await kv.keepalive(lease) == 5
+        assert await kv.get(b"n/1") == b"up"
+        await kv.revoke_lease(lease)
+        assert await kv.get(b"n/1") is None
+        with pytest.raises(NotFound):
+            await kv.keepalive(lease)
+    run(etcd_cluster, main)
+
+
+def test_watch_survives_failover(etcd_cluster):
+    etcd_cluster.wipe()
+    victim = []
+
+    async def put(kv, key, value):
+        t = kv.begin()
+        if value is None:
+            t.delete(key)
+        else:
+            t.put(key, value)
+        await kv.commit(t)
+
+    async def main(kv):
+        async with kv.watch(b"w/") as changes:
+            await put(kv, b"w/a", b"1")
+            await put(kv, b"x", b"outside the prefix")
+            await put(kv, b"w/b", b"")
+            await put(kv, b"w/a", None)
+            with trio.fail_after(5):
+                assert [await changes.receive() for _ in range(3)] == [
+                    (b"w/a", b"1"), (b"w/b", b""), (b"w/a", None)]
+            victim.append(kv._cur)  # the member both the engine and the watch talk to
+            etcd_cluster.kill(victim[0])
+            for i in range(5):
+                await put(kv, b"w/%d" % i, b"v%d" % i)
+            with trio.fail_after(15):
+                assert [await changes.receive() for _ in range(5)] == [
+                    (b"w/%d" % i, b"v%d" % i) for i in range(5)]
+            with trio.move_on_after(0.3):
+                extra = await changes.receive()
+                raise AssertionError(f"unexpected change {extra}")
+    try:
+        run(etcd_cluster, main)
+    finally:
+        if victim:
+            etcd_cluster.restart(victim[0])

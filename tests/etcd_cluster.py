@@ -65,7 +65,7 @@ class EtcdCluster:
 
     @property
     def pids(self) -> list[int | None]:
-        return [p.pid if p and p.poll() is None else None for p in self.procs]
+        return [p.pid if p else None for p in self.procs]
 
     def _start(self, i: int, state: str) -> None:
         peers = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports))
@@ -124,9 +124,10 @@ class EtcdCluster:
 
     def kill(self, i: int) -> None:
         """SIGKILL member ``i`` by its pid."""
-        proc = self.procs[i]
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
+        proc, self.procs[i] = self.procs[i], None
+        if proc is not None:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
 
     def restart(self, i: int) -> None:

@@ -47,6 +47,13 @@ def test_request_ids_hidden_and_leased(etcd_cluster):
         ids = await kv._call("/v3/kv/range", {"key": _b64(REQ_PREFIX),
                                               "range_end": _b64(prefix_end(REQ_PREFIX))})
         assert int(ids["count"]) == 1 and ids["kvs"][0]["lease"] != "0"
+        # the request-id lease vanishes (revoked, backup restored): commits go on
+        old = kv._req_lease[0]
+        await kv.revoke_lease(old)
+        t = kv.begin()
+        t.put(b"b", b"2")
+        await kv.commit(t)
+        assert kv._req_lease[0] != old and await kv.get(b"b") == b"2"
     run(etcd_cluster, main)
 
 
@@ -81,10 +88,14 @@ def test_leader_kill_loses_no_acknowledged_increment(etcd_cluster, talking_to):
     acks: list[float] = []
     kill_at = [float("inf")]
 
+    slowest = [0.0]
+
     async def worker(kv):
         while sum(t > kill_at[0] for t in acks[-100:]) < 100:  # 100 commits after the kill
+            t0 = trio.current_time()
             await kv.transact(_incr)
             acks.append(trio.current_time())
+            slowest[0] = max(slowest[0], acks[-1] - t0)
 
     async def main(kv):
         with trio.fail_after(30):
@@ -97,9 +108,9 @@ def test_leader_kill_loses_no_acknowledged_increment(etcd_cluster, talking_to):
         after = [kill_at[0]] + [t for t in acks if t > kill_at[0]]
         stall = max(b - a for a, b in zip(after, after[1:]))
         final = int(await kv.get(b"ctr"))
-        print(f"\netcd leader SIGKILL while talking to the {talking_to}: commits stalled "
-              f"{stall:.2f} s; {len(acks)} acknowledged, counter {final}, "
-              f"{kv.failovers} failovers")
+        print(f"\netcd leader SIGKILL while talking to the {talking_to}: no commit for "
+              f"{stall:.2f} s, slowest transact {slowest[0]:.2f} s; {len(acks)} acknowledged, "
+              f"counter {final}, {kv.failovers} failovers")
         assert final == len(acks)
         assert stall < 8
     try:
@@ -130,7 +141,7 @@ def test_unreachable_endpoints_give_unavailable():
             finally:
                 await kv.aclose()
         t0 = time.monotonic()
-        with pytest.raises(Unavailable, match="etcd unavailable"):
+        with pytest.raises(Unavailable, match="etcd cluster unavailable"):
             trio.run(cut_off)
         assert time.monotonic() - t0 < 3
     finally:
@@ -197,3 +208,26 @@ def test_watch_survives_failover(etcd_cluster):
     finally:
         if victim:
             etcd_cluster.restart(victim[0])
+
+
+def test_watch_ends_when_quorum_is_lost(etcd_cluster):
+    """A watch on a member cut off from the leader ends (hasleader) and gives Unavailable."""
+    lone = 2
+
+    async def main():
+        kv = await EtcdKV.create(f"etcd://127.0.0.1:{etcd_cluster.client_ports[lone]}", timeout=1)
+        try:
+            with trio.fail_after(15):
+                with pytest.raises(Unavailable, match="no leader"):
+                    async with kv.watch(b"w/") as changes:
+                        etcd_cluster.kill(0)
+                        etcd_cluster.kill(1)
+                        async for change in changes:
+                            raise AssertionError(f"unexpected change {change}")
+        finally:
+            await kv.aclose()
+    try:
+        trio.run(main)
+    finally:
+        etcd_cluster.restart(0)
+        etcd_cluster.restart(1)

@@ -12,7 +12,7 @@ import sys
 
 from ..errors import FsError, VolumeError
 
-COMMANDS = ["mkfs", "mount", "cat", "type_"]
+COMMANDS = ["mkfs", "mount", "fsck", "status", "branch", "cat", "type_"]
 
 
 class UserError(Exception):

@@ -12,6 +12,7 @@ import logging
 import os
 
 import pyfuse3
+import trio
 
 from ..errors import FsError
 from ..vfs.fs import Attr
@@ -58,16 +59,54 @@ def translate(fn):
     return wrapper
 
 
+class KernelNotifier:
+    """Tells the kernel to forget cached data when a tree changes under it (merge, reset).
+
+    With the writeback cache the kernel keeps its own size of a cached regular file
+    and ignores the size in our replies, so invalidating attributes is not enough:
+    the names the kernel knows for the inode are invalidated too, which evicts the
+    inode once nobody holds it open, and the next lookup sees the new state. The
+    calls run in a worker thread: the kernel may need this daemon to answer other
+    requests before it can drop pages, so the event loop must keep running.
+    """
+
+    def __init__(self):
+        self.names: dict[int, set[tuple[int, bytes]]] = {}  # names the kernel holds
+
+    def saw(self, parent: int, name: bytes, fino: int) -> None:
+        self.names.setdefault(fino, set()).add((parent, name))
+
+    def forget(self, fino: int) -> None:
+        self.names.pop(fino, None)
+
+    async def inode(self, fino: int) -> None:
+        await trio.to_thread.run_sync(self._call, pyfuse3.invalidate_inode, fino)
+        for parent, name in list(self.names.get(fino, ())):
+            await self.entry(parent, name)
+
+    async def entry(self, parent: int, name: bytes) -> None:
+        await trio.to_thread.run_sync(self._call, pyfuse3.invalidate_entry, parent, name)
+
+    @staticmethod
+    def _call(fn, *args):
+        try:
+            fn(*args)
+        except (OSError, pyfuse3.FUSEError):
+            pass  # the kernel did not know it: nothing to drop
+
+
 class Operations(pyfuse3.Operations):
     enable_writeback_cache = True
 
     def __init__(self, fs, timeout: float = 1.0):
         super().__init__()
         self.fs = fs
+        self.notifier = fs.notify = KernelNotifier()
         self.timeout = timeout
         self.supports_dot_lookup = True
         self.enable_acl = False
         self._dirs: dict[int, list] = {}
+        self._dir_ino: dict[int, int] = {}
         self._next_dh = 1
 
     def _e(self, a: Attr) -> pyfuse3.EntryAttributes:
@@ -75,7 +114,11 @@ class Operations(pyfuse3.Operations):
 
     @translate
     async def lookup(self, parent_inode, name, ctx=None):
-        return self._e(await self.fs.lookup(parent_inode, name))
+        return self._named(parent_inode, name, await self.fs.lookup(parent_inode, name))
+
+    def _named(self, parent: int, name: bytes, a: Attr) -> pyfuse3.EntryAttributes:
+        self.notifier.saw(parent, name, a.ino)
+        return self._e(a)
 
     @translate
     async def getattr(self, inode, ctx=None):
@@ -106,11 +149,11 @@ class Operations(pyfuse3.Operations):
 
     @translate
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return self._e(await self.fs.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+        return self._named(parent_inode, name, await self.fs.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
 
     @translate
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return self._e(await self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+        return self._named(parent_inode, name, await self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @translate
     async def unlink(self, parent_inode, name, ctx):
@@ -122,7 +165,7 @@ class Operations(pyfuse3.Operations):
 
     @translate
     async def symlink(self, parent_inode, name, target, ctx):
-        return self._e(await self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+        return self._named(parent_inode, name, await self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     @translate
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
@@ -130,7 +173,7 @@ class Operations(pyfuse3.Operations):
 
     @translate
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return self._e(await self.fs.link(inode, new_parent_inode, new_name))
+        return self._named(new_parent_inode, new_name, await self.fs.link(inode, new_parent_inode, new_name))
 
     @translate
     async def open(self, inode, flags, ctx):
@@ -140,7 +183,7 @@ class Operations(pyfuse3.Operations):
     @translate
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, a = await self.fs.create_file(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
-        return pyfuse3.FileInfo(fh=fh), self._e(a)
+        return pyfuse3.FileInfo(fh=fh), self._named(parent_inode, name, a)
 
     @translate
     async def read(self, fh, off, size):
@@ -177,6 +220,7 @@ class Operations(pyfuse3.Operations):
         dh = self._next_dh
         self._next_dh += 1
         self._dirs[dh] = entries
+        self._dir_ino[dh] = inode
         return dh
 
     @translate
@@ -192,9 +236,11 @@ class Operations(pyfuse3.Operations):
                 continue  # removed since opendir
             if not pyfuse3.readdir_reply(token, name, self._e(a), i + 1):
                 break
+            self.notifier.saw(self._dir_ino.get(fh, 0), name, a.ino)
 
     async def releasedir(self, fh):
         self._dirs.pop(fh, None)
+        self._dir_ino.pop(fh, None)
 
     @translate
     async def fsyncdir(self, fh, datasync):
@@ -229,7 +275,8 @@ class Operations(pyfuse3.Operations):
         await self.fs.removexattr(inode, name)
 
     async def forget(self, inode_list):
-        pass
+        for fino, _ in inode_list:
+            self.notifier.forget(fino)
 
 
 __all__ = ["Operations", "os"]

@@ -3,6 +3,8 @@
 They subclass the project's errno table (bmfs.errors), so the CLI prints them as one line
 and the FUSE layer could map them to an errno.
 """
+import errno as _errno
+
 from bmfs import errors
 
 
@@ -44,3 +46,11 @@ class NoType(_Located, errors.NoAttr):
 
 class NotSupportedHere(_Located, errors.NotSupported):
     """The operation does not apply to this type or filesystem (EOPNOTSUPP)."""
+
+
+def from_os_error(path, err):
+    """Translate an OSError about `path` into the project's FsError with the same errno."""
+    cls = {_errno.ENOENT: errors.NotFound, _errno.EACCES: errors.Access,
+           _errno.EPERM: errors.Perm, _errno.EISDIR: errors.IsDir,
+           _errno.ENOTDIR: errors.NotDir}.get(err.errno, errors.FsError)
+    return cls(f"{path}: {err.strerror or err}", errno=err.errno)

@@ -99,8 +99,10 @@ def parse(typestr, path=None):
 def _parse_raw(typestr, rest, path):
     dtype_text, _, shape_text = rest.partition(":")
     try:
+        if not dtype_text.strip():
+            raise TypeError("empty dtype")
         dtype = np.dtype(dtype_text)
-    except TypeError:
+    except (TypeError, ValueError, SyntaxError):
         raise BadTypeString(path, f"bad type {typestr!r}: {dtype_text!r} is not a numpy dtype")
     _check_simple_dtype(dtype, path)
     shape = None

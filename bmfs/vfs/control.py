@@ -92,17 +92,33 @@ class Control:
     def release(self, fh: int) -> None:
         self._replies.pop(fh, None)
 
+    async def _invalidate(self, branch: str, subs) -> None:
+        """Drop the kernel's cached attributes, data and names for what changed."""
+        notify = self.fs.notify
+        if notify is None:
+            return
+        views = [v for v in self.fs.views.by_id.values()
+                 if v.kind == "branch" and v.name == branch]
+        for view in views:
+            for sub in subs:
+                if sub.startswith(b"d/"):
+                    await notify.entry(view.id << VIEW_SHIFT | int(sub[2:18], 16), sub[19:])
+                else:
+                    await notify.inode(view.id << VIEW_SHIFT | int(sub[2:18], 16))
+
     async def run(self, req: dict):
         op = req["op"]
+        if op == "status":
+            from .status import volume_status
+            return await volume_status(self.fs.volume)
         fn = getattr(branches, "op_" + op.replace("-", "_"), None)
         if fn is None:
             raise Invalid(f"unknown control operation {op!r}")
         args = {k: v for k, v in req.items() if k != "op"}
         result = await fn(self.kv, **args)
         await self.fs.views.refresh()
+        if isinstance(result, dict) and branches.TOUCHED in result:
+            await self._invalidate(*result.pop(branches.TOUCHED))
         if op in ("branch_delete", "snapshot_delete", "branch_reset", "merge"):
             await self.fs.volume_gc()
         return result
-
-    def status(self) -> dict:
-        return {}

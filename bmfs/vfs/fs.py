@@ -63,6 +63,7 @@ class FileSystem:
         self.views = views
         self.files = Files(self)
         self.control = None  # set by control.py (branch commands through /.bm/ctl)
+        self.notify = None   # set by the front end: async inode(fino), entry(parent, name)
         self._ino_next = self._ino_end = 0
         self._start = time.time_ns()
 

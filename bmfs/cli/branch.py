@@ -1,0 +1,98 @@
+"""bmfs branch|snapshot|merge|diff: branch commands sent to a running mount.
+
+Each command takes ``-m MOUNTPOINT`` or works from a directory inside the mount.
+"""
+import json
+import os
+import sys
+
+from .common import control, mount_root_of
+
+
+def _mount_arg(p):
+    p.add_argument("-m", "--mount", help="the bmfs mount point (default: the mount "
+                   "holding the current directory)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def add_parser(sub):
+    b = sub.add_parser("branch", help="create, list, delete or reset branches")
+    bs = b.add_subparsers(dest="action", metavar="ACTION")
+    bs.required = True
+    c = bs.add_parser("create", help="create a branch (O(1), shares all data)")
+    c.add_argument("name")
+    c.add_argument("--from", dest="source", default="main", help="branch or snapshot")
+    c.set_defaults(func=lambda a: _do(a, "branch_create", name=a.name, source=a.source))
+    ls = bs.add_parser("list", help="list branches")
+    ls.set_defaults(func=lambda a: _do(a, "branch_list"))
+    d = bs.add_parser("delete", help="delete a branch and free what only it used")
+    d.add_argument("name")
+    d.set_defaults(func=lambda a: _do(a, "branch_delete", name=a.name))
+    r = bs.add_parser("reset", help="reset a branch to a snapshot")
+    r.add_argument("name")
+    r.add_argument("--to", required=True, help="snapshot")
+    r.set_defaults(func=lambda a: _do(a, "branch_reset", name=a.name, to=a.to))
+    for p in (c, ls, d, r):
+        _mount_arg(p)
+
+    s = sub.add_parser("snapshot", help="create, list or delete read-only snapshots")
+    ss = s.add_subparsers(dest="action", metavar="ACTION")
+    ss.required = True
+    c = ss.add_parser("create", help="snapshot a branch (O(1))")
+    c.add_argument("name")
+    c.add_argument("--branch", default="main")
+    c.set_defaults(func=lambda a: _do(a, "snapshot_create", name=a.name, branch=a.branch))
+    ls = ss.add_parser("list", help="list snapshots")
+    ls.set_defaults(func=lambda a: _do(a, "snapshot_list"))
+    d = ss.add_parser("delete", help="delete a snapshot")
+    d.add_argument("name")
+    d.set_defaults(func=lambda a: _do(a, "snapshot_delete", name=a.name))
+    for p in (c, ls, d):
+        _mount_arg(p)
+
+    m = sub.add_parser("merge", help="merge SOURCE into TARGET")
+    m.add_argument("source")
+    m.add_argument("--into", required=True, help="target branch")
+    g = m.add_mutually_exclusive_group()
+    g.add_argument("--theirs", action="store_true", help="on conflict, the source wins")
+    g.add_argument("--ours", action="store_true", help="on conflict, the target wins")
+    m.set_defaults(func=lambda a: _do(a, "merge", source=a.source, into=a.into,
+                                      strategy="theirs" if a.theirs else "ours" if a.ours else None))
+    _mount_arg(m)
+
+    df = sub.add_parser("diff", help="paths added, removed and changed from A to B")
+    df.add_argument("a")
+    df.add_argument("b")
+    df.set_defaults(func=lambda a: _do(a, "diff", a=a.a, b=a.b))
+    _mount_arg(df)
+
+
+def _do(args, op, **kw) -> int:
+    mp = os.path.abspath(args.mount) if args.mount else mount_root_of(os.getcwd())
+    result = control(mp, op, **kw)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print(op, result)
+    return 0
+
+
+def _print(op, r):
+    out = sys.stdout
+    if op in ("branch_list", "snapshot_list"):
+        for item in r:
+            extra = f"from {item['from']}" if item.get("from") else \
+                f"of {item['branch']}" if item.get("branch") else ""
+            out.write(f"{item['name']}\t{extra}\n")
+    elif op == "diff":
+        for tag, key in (("A", "added"), ("D", "removed"), ("M", "changed")):
+            for p in r[key]:
+                out.write(f"{tag}\t{p}\n")
+    elif op == "merge":
+        out.write(f"{r['result']}" + (f": {r['applied']} changes applied" if r.get('applied') else "") + "\n")
+    elif op.endswith("_create"):
+        out.write(f"created {op.split('_')[0]} {r['name']}\n")
+    elif op.endswith("_delete"):
+        out.write(f"deleted; {r['freed_layers']} layers freed\n")
+    elif op == "branch_reset":
+        out.write(f"branch {r['branch']} reset to snapshot {r['to']}\n")

@@ -1,0 +1,30 @@
+"""bmfs fsck VOLUME [--full] [--repair]: exit 0 only when the volume is consistent."""
+import trio
+
+
+def add_parser(sub):
+    p = sub.add_parser("fsck", help="check a volume (unmounted)")
+    p.add_argument("volume")
+    p.add_argument("--full", action="store_true", help="verify every block checksum")
+    p.add_argument("--repair", action="store_true",
+                   help="delete leaked fragment files and collect queued garbage")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..vfs.fsck import fsck
+    from ..vfs.volume import Volume
+
+    async def main():
+        vol = await Volume.open(args.volume)
+        try:
+            return await fsck(vol, full=args.full, repair=args.repair)
+        finally:
+            await vol.aclose()
+    problems, notes = trio.run(main)
+    for n in notes:
+        print(f"note: {n}")
+    for p in problems:
+        print(f"problem: {p}")
+    print(f"{args.volume}: " + ("consistent" if not problems else f"{len(problems)} problems"))
+    return 1 if problems else 0

@@ -1,0 +1,42 @@
+"""bmfs status VOLUME|MOUNTPOINT [--json]"""
+import json
+import os
+
+import trio
+
+from .common import control, find_mount, mounts
+
+
+def add_parser(sub):
+    p = sub.add_parser("status", help="show a volume's devices, health and usage")
+    p.add_argument("target", help="a volume directory or a mount point")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..vfs.status import render
+    target = os.path.abspath(args.target)
+    m = find_mount(target)
+    if m is None:
+        # a volume that is mounted is asked through its mount (it owns the metadata)
+        for mm in mounts():
+            if mm["source"] == f"bmfs:{target}":
+                m = mm
+    if m is not None:
+        st = control(m["mountpoint"], "status")
+        st["mountpoint"] = m["mountpoint"]
+    else:
+        st = trio.run(_offline, target)
+    print(json.dumps(st, indent=2) if args.json else render(st))
+    return 0
+
+
+async def _offline(path):
+    from ..vfs.status import volume_status
+    from ..vfs.volume import Volume
+    vol = await Volume.open(path)
+    try:
+        return await volume_status(vol)
+    finally:
+        await vol.aclose()

@@ -1,0 +1,180 @@
+"""fsck: check a volume's metadata and fragments; name every problem found.
+
+Checks, per live tree (every branch and snapshot): each entry points at an inode;
+every inode is reachable; link counts match entries (files) and 2 + subdirectories
+(directories); directories know their parent; slices point at stripes. Across trees:
+each stripe's reference count equals the number of stored slice lists that mention
+it; every fragment of an erasure-coded stripe is on its device with a valid header
+(``full=True`` also verifies every block checksum); no device holds fragment files
+no stripe owns. ``repair=True`` deletes leaked fragments and empties the GC queue.
+"""
+from __future__ import annotations
+
+import json
+import stat
+from collections import Counter, defaultdict
+
+import trio
+
+from ..data import fragment as fr
+from ..meta import keys
+from ..meta.layers import Chain, lscan
+from ..meta.records import EC, NO_DEVICE, Inode, Stripe, unpack_dentry, unpack_slices
+from ..meta.namespace import ROOT
+from .gc import collect
+
+
+async def live_trees(kv, views) -> list[tuple[str, Chain]]:
+    trees = []
+    for prefix, kind in ((b"b/", "branch"), (b"n/", "snapshot")):
+        for k, v in await kv.range(prefix, prefix + b"\xff"):
+            name = k[2:].decode()
+            rec = json.loads(v)
+            top = rec["head"] if kind == "branch" else rec["layer"]
+            trees.append((f"{kind} {name}", await views.chain_from(top, name if kind == "branch" else None)))
+    return trees
+
+
+async def check_tree(kv, label: str, chain: Chain, problems: list[str]) -> None:
+    txn = kv.begin()
+    inodes = {int(sub[2:], 16): Inode.unpack(v) for sub, v in await lscan(txn, chain, b"i/")}
+    entries = await lscan(txn, chain, b"d/")
+    names = Counter()
+    subdirs = Counter()
+    children = defaultdict(list)
+    for sub, v in entries:
+        parent = int(sub[2:18], 16)
+        name = sub[19:]
+        ino, fmt = unpack_dentry(v)
+        children[parent].append(ino)
+        if parent not in inodes:
+            problems.append(f"{label}: entry {name!r} in missing directory {parent}")
+        if ino not in inodes:
+            problems.append(f"{label}: entry {name!r} in directory {parent} points at "
+                            f"missing inode {ino}")
+            continue
+        names[ino] += 1
+        if stat.S_IFMT(inodes[ino].mode) != fmt:
+            problems.append(f"{label}: entry {name!r} type differs from inode {ino}")
+        if inodes[ino].is_dir():
+            subdirs[parent] += 1
+            if inodes[ino].parent != parent:
+                problems.append(f"{label}: directory {ino} records parent "
+                                f"{inodes[ino].parent}, is in {parent}")
+    orphans = {int(k.split(b"/")[2], 16) for k, _ in await kv.range(b"o/", b"o0")}
+    for ino, i in inodes.items():
+        if ino == ROOT:
+            continue
+        if names[ino] == 0 and not (ino in orphans and i.nlink == 0):
+            problems.append(f"{label}: inode {ino} is not in any directory")
+        if i.is_dir():
+            if names[ino] > 1:
+                problems.append(f"{label}: directory {ino} has {names[ino]} names")
+            if i.nlink != 2 + subdirs[ino]:
+                problems.append(f"{label}: directory {ino} nlink {i.nlink}, expected "
+                                f"{2 + subdirs[ino]}")
+        elif i.nlink != names[ino]:
+            problems.append(f"{label}: inode {ino} nlink {i.nlink}, has {names[ino]} names")
+    if ROOT not in inodes:
+        problems.append(f"{label}: the root directory is missing")
+    elif inodes[ROOT].nlink != 2 + subdirs[ROOT]:
+        problems.append(f"{label}: root nlink {inodes[ROOT].nlink}, expected {2 + subdirs[ROOT]}")
+    for sub, _ in await lscan(txn, chain, b"c/"):
+        ino = int(sub[2:18], 16)
+        if ino not in inodes:
+            problems.append(f"{label}: slices of missing inode {ino}")
+
+
+async def check_refs(kv, live_layers: set[int], problems: list[str]) -> dict[int, Stripe]:
+    counts = Counter()
+    for k, v in await kv.range(b"c/", b"c0"):
+        lay = int(k[-8:], 16)
+        if lay not in live_layers:
+            problems.append(f"slice list {k!r} belongs to a layer no tree uses")
+            continue
+        if v[:1] == keys.LIVE:
+            for sid in {s.sid for s in unpack_slices(v[1:])} - {0}:
+                counts[sid] += 1
+    stripes = {}
+    for k, v in await kv.range(b"t/", b"t0"):
+        sid = int(k[2:], 16)
+        st = Stripe.unpack(v)
+        stripes[sid] = st
+        if st.refs != counts.get(sid, 0):
+            problems.append(f"stripe {sid}: reference count {st.refs}, "
+                            f"referenced {counts.get(sid, 0)} times")
+    for sid in counts:
+        if sid not in stripes:
+            problems.append(f"stripe {sid} is referenced but has no record")
+    return stripes
+
+
+async def check_fragments(volume, stripes: dict[int, Stripe], full: bool, repair: bool,
+                          problems: list[str], notes: list[str]) -> None:
+    data = volume.data
+    expected = defaultdict(set)
+    queued = {int(k[2:], 16): Stripe.unpack(v) for k, v in await volume.kv.range(b"g/", b"g0")}
+    damaged = {(int(k[2:18], 16), int(k[19:], 16)) for k, _ in await volume.kv.range(b"h/", b"h0")}
+    for sid, st in list(stripes.items()) + list(queued.items()):
+        if st.kind != EC:
+            continue
+        for i, dev in enumerate(st.devices):
+            if dev != NO_DEVICE:
+                expected[dev].add(fr.fragment_name(sid, i))
+    for sid, st in stripes.items():
+        if st.kind != EC:
+            continue
+        for i, dev in enumerate(st.devices):
+            if dev == NO_DEVICE:
+                if (sid, i) not in damaged:
+                    problems.append(f"stripe {sid} fragment {i} was never stored and is not "
+                                    f"queued for repair")
+                else:
+                    notes.append(f"stripe {sid} fragment {i} awaits repair")
+                continue
+            try:
+                if full:
+                    await data._read_fragment(sid, st, i)
+                else:
+                    hlen = fr.header_length(st.frag_len)
+                    (head,) = await volume.transport.read(dev, fr.fragment_name(sid, i),
+                                                          [(0, hlen)])
+                    fr.parse_header(head, sid, i, st.frag_len)
+            except Exception as e:  # noqa: BLE001 - every failure is a finding
+                problems.append(f"stripe {sid} fragment {i} on device {dev}: {e}")
+    for dev, store in volume.transport.stores.items():
+        if isinstance(store, Exception):
+            problems.append(f"device {dev}: {store}")
+            continue
+        names = await trio.to_thread.run_sync(lambda: set(store.names()))
+        leaked = names - expected[dev]
+        if leaked:
+            if repair:
+                for n in leaked:
+                    await trio.to_thread.run_sync(store.delete, n)
+                notes.append(f"device {dev}: deleted {len(leaked)} leaked fragment files")
+            else:
+                problems.append(f"device {dev}: {len(leaked)} fragment files no stripe owns, "
+                                f"e.g. {sorted(leaked)[0]}")
+    if queued:
+        if repair:
+            await collect(volume, limit=len(queued) + 1)
+            notes.append(f"collected {len(queued)} queued stripes")
+        else:
+            notes.append(f"{len(queued)} stripes queued for garbage collection")
+
+
+async def fsck(volume, full: bool = False, repair: bool = False) -> tuple[list[str], list[str]]:
+    """Returns (problems, notes). The volume is consistent when problems is empty."""
+    from .views import Views
+    problems: list[str] = []
+    notes: list[str] = []
+    views = Views(volume.kv)
+    trees = await live_trees(volume.kv, views)
+    live = set()
+    for label, chain in trees:
+        live.update(chain.layers)
+        await check_tree(volume.kv, label, chain, problems)
+    stripes = await check_refs(volume.kv, live, problems)
+    await check_fragments(volume, stripes, full, repair, problems, notes)
+    return problems, notes

@@ -1,0 +1,76 @@
+"""What `bmfs status` shows: volume settings, devices with health and usage, counters."""
+from __future__ import annotations
+
+import json
+import os
+
+import trio
+
+from ..meta import keys
+from ..meta.records import Stripe
+
+
+async def volume_status(volume, data_stats: dict | None = None) -> dict:
+    s = volume.settings
+    devices = []
+    counts = {}
+    for k, v in await volume.kv.range(b"t/", b"t0"):
+        st = Stripe.unpack(v)
+        for dev in st.devices:
+            counts[dev] = counts.get(dev, 0) + 1
+    for dev, path in sorted(volume.device_paths.items()):
+        store = volume.transport.stores.get(dev)
+        if store is None or isinstance(store, Exception):
+            devices.append({"id": dev, "path": path, "health": "missing",
+                            "error": str(store), "fragments": counts.get(dev, 0)})
+            continue
+        try:
+            u = await trio.to_thread.run_sync(store.usage)
+            ok = os.path.exists(os.path.join(path, "DEVICE"))
+            devices.append({"id": dev, "path": path, "health": "ok" if ok else "missing",
+                            "total": u["total"], "free": u["free"],
+                            "fragments": counts.get(dev, 0)})
+        except OSError as e:
+            devices.append({"id": dev, "path": path, "health": "error", "error": str(e),
+                            "fragments": counts.get(dev, 0)})
+    pending_repair = len(await volume.kv.range(b"h/", b"h0"))
+    gc_queue = len(await volume.kv.range(b"g/", b"g0"))
+    branches = [k[2:].decode() for k, _ in await volume.kv.range(b"b/", b"b0")]
+    snapshots = [k[2:].decode() for k, _ in await volume.kv.range(b"n/", b"n0")]
+    return {"volume": os.path.abspath(volume.path), "uuid": s.uuid, "ec": f"{s.k}+{s.m}",
+            "format": s.format, "stripe_size": s.stripe_size, "inline_max": s.inline_max,
+            "meta": volume.kv.url, "devices": devices, "fragments_awaiting_repair": pending_repair,
+            "stripes_awaiting_gc": gc_queue, "branches": branches, "snapshots": snapshots,
+            "data": data_stats or dict(volume.data.stats)}
+
+
+def render(st: dict) -> str:
+    lines = [f"volume   {st['volume']}  ({st['ec']}, format {st['format']}, uuid {st['uuid']})",
+             f"metadata {st['meta']}"]
+    if st.get("mountpoint"):
+        lines.append(f"mounted  {st['mountpoint']}")
+    lines.append(f"branches {', '.join(st['branches']) or '-'}; "
+                 f"snapshots {', '.join(st['snapshots']) or '-'}")
+    lines.append("")
+    lines.append(f"{'dev':>3}  {'health':<8} {'fragments':>9} {'used':>10} {'free':>10}  path")
+    for d in st["devices"]:
+        used = d["total"] - d["free"] if "total" in d else None
+        lines.append(f"{d['id']:>3}  {d['health']:<8} {d['fragments']:>9} "
+                     f"{_size(used):>10} {_size(d.get('free')):>10}  {d['path']}")
+    lines.append("")
+    lines.append(f"fragments awaiting repair: {st['fragments_awaiting_repair']}; "
+                 f"stripes awaiting GC: {st['stripes_awaiting_gc']}")
+    lines.append("reads: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in st["data"].items()))
+    return "\n".join(lines)
+
+
+def _size(n):
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+__all__ = ["volume_status", "render", "json", "keys"]

@@ -41,7 +41,7 @@ class MountOptions:
 
 
 MAX_NAME = 255
-MAX_FILE_SIZE = 1 << 48  # 256 TiB
+MAX_FILE_SIZE = (1 << 63) - 1  # what the kernel allows (it answers EFBIG beyond)
 
 
 def default_volume() -> str:

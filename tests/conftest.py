@@ -4,3 +4,22 @@ import sys
 # Large buffers stay in malloc's arena (see bmfs/__init__.py); tests import bmfs first.
 sys.dont_write_bytecode = False
 os.environ.setdefault("BMFS_TEST", "1")
+
+import pytest  # noqa: E402
+
+from mountutil import Mounted, mkfs  # noqa: E402
+
+
+@pytest.fixture
+def volume(tmp_path):
+    """A fresh 4+2 volume directory."""
+    v = tmp_path / "vol"
+    mkfs(v)
+    return v
+
+
+@pytest.fixture
+def mnt(volume, tmp_path):
+    """A real FUSE mount of a fresh volume; yields the Mounted object (.mp, .volume)."""
+    with Mounted(volume, tmp_path / "mnt") as m:
+        yield m

@@ -89,7 +89,8 @@ class EtcdCluster:
         for i, proc in enumerate(self.procs):
             while proc is not None:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"etcd member {i} exited; see {self.dir}/{self.names[i]}.log")
+                    log = os.path.join(self.dir, self.names[i] + ".log")
+                    raise RuntimeError(f"etcd member {i} exited; see {log}")
                 try:
                     with urllib.request.urlopen(self.endpoints[i] + "/health", timeout=1) as r:
                         if json.loads(r.read()).get("health") == "true":

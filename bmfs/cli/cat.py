@@ -73,7 +73,7 @@ def _array(arr, as_json):
     import numpy as np
     order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
     if as_json:
-        flat = np.asarray(arr).reshape(-1, order="K")
+        flat = np.asarray(arr).ravel(order="K")  # a view for the contiguous mapping
         return json.dumps({"dtype": arr.dtype.str, "shape": list(arr.shape), "order": order,
                            "nbytes": int(arr.nbytes), "first": flat[:8].tolist()})
     summary = np.array2string(np.asarray(arr), threshold=64, edgeitems=3)

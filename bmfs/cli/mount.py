@@ -60,6 +60,8 @@ def run(args) -> int:
     if args.mountpoint and not os.path.exists(mp) and args.volume is None:
         os.makedirs(mp, exist_ok=True)
     _check_mountpoint(mp)
+    from ..vfs.volume import read_volume_file
+    read_volume_file(volume)  # a missing or foreign volume fails here, in one line
     opts = MountOptions(branch=args.branch, attr_timeout=args.timeout,
                         entry_timeout=args.timeout)
     if args.foreground:

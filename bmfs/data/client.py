@@ -103,10 +103,15 @@ class DataClient:
         first, last = offset // bs, (end - 1) // bs
         parts: list[bytes | None] = [None] * (last - first + 1)
 
+        failed: list[Exception] = []
+
         async def one(i):
             lo, hi = max(offset, i * bs), min(end, (i + 1) * bs)
-            parts[i - first] = await self._read_range(sid, st, i, LIB_HEADER + lo - i * bs,
-                                                      hi - lo)
+            try:
+                parts[i - first] = await self._read_range(sid, st, i,
+                                                          LIB_HEADER + lo - i * bs, hi - lo)
+            except (DeviceError, fr.CorruptFragment, _Missing) as e:
+                failed.append(e)
 
         if first == last:
             await one(first)
@@ -114,6 +119,8 @@ class DataClient:
             async with trio.open_nursery() as nursery:
                 for i in range(first, last + 1):
                     nursery.start_soon(one, i)
+        if failed:
+            raise failed[0]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _read_range(self, sid, st, index, p0, n):
@@ -166,19 +173,18 @@ class DataClient:
         self.stats["degraded_reads"] += 1
         k = st.k
         got: dict[int, bytes] = {}
-        enough = trio.Event()
 
-        async def one(i):
+        async def one(i, cancel_scope):
             try:
                 got[i] = await self._read_fragment(sid, st, i)
             except (DeviceError, fr.CorruptFragment, _Missing):
                 return
             if len(got) >= k:
-                enough.set()
+                cancel_scope.cancel()  # the first k intact fragments are enough
 
         async with trio.open_nursery() as nursery:
             for i in range(st.k + st.m):
-                nursery.start_soon(one, i)
+                nursery.start_soon(one, i, nursery.cancel_scope)
         if len(got) < k:
             raise IOFailure(f"stripe {sid}: only {len(got)} of {st.k + st.m} fragments "
                             f"readable, {k} needed")

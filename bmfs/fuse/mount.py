@@ -60,6 +60,7 @@ async def _gc_loop(fs):
     while True:
         await trio.sleep(GC_INTERVAL)
         try:
+            await fs.volume.record_damage()
             await fs.volume_gc()
         except Exception:
             log.exception("garbage collection failed; will retry")

@@ -45,6 +45,9 @@ class KV(abc.ABC):
     """A transactional KV store. Create with ``await open_kv(url)``; close with ``aclose``."""
 
     url: str = ""
+    # statistics (work done, for tests and `bmfs status`): keys read, keys written
+    keys_read: int = 0
+    keys_written: int = 0
 
     # -- primitives an engine implements ---------------------------------------------
     @abc.abstractmethod
@@ -88,6 +91,7 @@ class KV(abc.ABC):
     async def commit(self, txn: "Txn") -> None:
         if txn.writes:
             await self._commit(txn.reads, txn.writes)
+            self.keys_written += len(txn.writes)
 
     async def transact(self, fn: Callable[["Txn"], Awaitable[T]], attempts: int = 64) -> T:
         """Run ``fn(txn)`` and commit, retrying on conflict with a fresh transaction.
@@ -120,6 +124,7 @@ class Txn:
         if key in self.writes:
             return self.writes[key]
         value, rev = await self.kv._get(key)
+        self.kv.keys_read += 1
         self.reads.setdefault(key, rev)
         return value
 
@@ -131,6 +136,7 @@ class Txn:
         read and write, e.g. the parent directory's inode).
         """
         rows = await self.kv._range(start, end, limit)
+        self.kv.keys_read += len(rows)
         out: dict[bytes, bytes | None] = {}
         for k, v, rev in rows:
             self.reads.setdefault(k, rev)

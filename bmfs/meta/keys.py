@@ -22,7 +22,7 @@ g/<stripe:016x>                        stripe whose fragments are to be deleted 
 h/<stripe:016x>/<index:02x>            fragment known missing/corrupt, awaiting repair
 i/<ino:016x>@L                         inode attributes (records.Inode)
 d/<parent ino:016x>/<name>@L           directory entry: child ino and type
-c/<ino:016x>/<chunk index:08x>@L       slice list of one 64 MiB chunk (records.Slices)
+c/<ino:016x>/<chunk index:010x>@L      slice list of one 64 MiB chunk (records.Slices)
 x/<ino:016x>/<xattr name>@L            extended attribute value
 l/<ino:016x>@L                         symlink target
 o/<layer:08x>/<ino:016x>               inode unlinked while open (freed on release or
@@ -94,7 +94,7 @@ def chunk_prefix(ino: int) -> bytes:
 
 
 def chunk(ino: int, index: int) -> bytes:
-    return b"c/%016x/%08x" % (ino, index)
+    return b"c/%016x/%010x" % (ino, index)
 
 
 def xattr_prefix(ino: int) -> bytes:

@@ -10,6 +10,7 @@ mapping lives as long as any array or view of it does.
 """
 import math
 import os
+import tokenize
 
 import numpy as np
 from numpy.lib import format as npy_format
@@ -17,6 +18,9 @@ from numpy.lib import format as npy_format
 from bmfs.typed.errors import CorruptFile, NotSupportedHere, TypeMismatch, from_os_error
 
 NPY_MAGIC = b"\x93NUMPY"
+_NUMPY1 = int(np.__version__.split(".")[0]) < 2  # numpy 1 has no return_scalar
+# What numpy's header reader raises on damaged bytes (it tokenizes a Python literal).
+_HEADER_ERRORS = (ValueError, SyntaxError, TypeError, KeyError, EOFError, tokenize.TokenError)
 
 
 class MappedArray(np.memmap):
@@ -30,7 +34,7 @@ class MappedArray(np.memmap):
         if arr is self:
             return arr
         arr = arr.view(np.ndarray)
-        if return_scalar or (arr.ndim == 0 and np.__version__ < "2"):
+        if return_scalar or (arr.ndim == 0 and _NUMPY1):
             return arr[()]
         return arr
 
@@ -112,7 +116,7 @@ def _npy_header(f, path):
             shape, fortran, dtype = npy_format._read_array_header(f, version)
         else:
             raise NotSupportedHere(path, f".npy format version {version} is not supported", 6)
-    except ValueError as e:
+    except _HEADER_ERRORS as e:
         raise CorruptFile(path, f"bad .npy header: {e}", 0) from None
     if dtype.hasobject:
         raise TypeMismatch(path, ".npy holds Python objects, which cannot be memory-mapped")

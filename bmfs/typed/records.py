@@ -415,7 +415,7 @@ class RecordFile(collections.abc.Sequence):
     def _body(self, start, end):
         """Check a record's bounds and length prefix; return the offset of its body."""
         if not self._lo <= start < end <= self._hi:
-            raise CorruptFile(self.path, f"record at index position {self._number(start)} "
+            raise CorruptFile(self.path, f"record {self._number(start)} "
                                          f"spans {start}..{end}, outside the records "
                                          f"section {self._lo}..{self._hi}", start)
         decoded = _read_varint(self._mv, start, end)

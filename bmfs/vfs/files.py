@@ -115,18 +115,14 @@ class Files:
             from ..errors import ReadOnly
             raise ReadOnly()
         async with of.lock:
-            if of.size is None:
-                i = await ns.get_inode(self.kv.begin(), of.view.chain, of.ino)
-                if i is None:
-                    raise NotFound()
-                of.size = i.size
             if h.flags & os.O_APPEND:
                 await self._flush_locked(of)
-                offset = of.size
+                offset = await self._size(of)
             if offset + len(data) > MAX_FILE_SIZE:
                 raise TooBig()
             if of.buf and offset != of.buf_start + len(of.buf):
                 await self._flush_locked(of)
+            await self._size(of)
             if not of.buf:
                 of.buf_start = offset
             of.buf += data
@@ -142,6 +138,15 @@ class Files:
                 del of.buf[:cut]
                 of.buf_start += cut
         return len(data)
+
+    async def _size(self, of: OpenFile) -> int:
+        """The file's size, loading it into ``of.size`` when nothing is buffered."""
+        if of.size is None:
+            i = await ns.get_inode(self.kv.begin(), of.view.chain, of.ino)
+            if i is None:
+                raise NotFound()
+            of.size = i.size
+        return of.size
 
     async def _flush_locked(self, of: OpenFile) -> None:
         if of.buf:
@@ -208,13 +213,19 @@ class Files:
                 await self._free_if_orphan(of.view, of.ino)
 
     async def _free_if_orphan(self, view, ino) -> None:
+        if not view.writable:
+            return
+        i = await ns.get_inode(self.kv.begin(), view.chain, ino)
+        if i is not None and i.nlink > 0 and \
+                await self.kv.get(keys.orphan(view.chain.top, ino)) is None:
+            return  # the common case: a file with a name, closed
+
         async def fn(txn, chain):
             i = await ns.get_inode(txn, chain, ino)
             if i is not None and i.nlink == 0:
                 await ns.delete_inode(txn, chain, ino, i)
             txn.delete(keys.orphan(chain.top, ino))
-        if view.writable:
-            await self.fs.mutate(view, fn)
+        await self.fs.mutate(view, fn)
 
     async def reap_orphans(self, view) -> int:
         """Free inodes unlinked while open by a mount that then died."""

@@ -156,6 +156,7 @@ class FileSystem:
             return await self.getattr(self.join(view, (await self._get(txn, view.chain, ino)).parent or 1))
         ent = await ns.lookup(txn, view.chain, ino, name)
         if ent is None:
+            await self._dir(txn, view.chain, ino)  # ENOTDIR rather than ENOENT
             raise NotFound()
         return await self.getattr(self.join(view, ent[0]))
 

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 VOLUME_FILE = "volume.json"
 
 
-def _read_volume_file(path: str) -> dict:
+def read_volume_file(path: str) -> dict:
     vf = os.path.join(path, VOLUME_FILE)
     if not os.path.isdir(path):
         raise VolumeError(f"{path}: no such volume directory")
@@ -96,10 +96,11 @@ class Volume:
         self.transport = transport
         self.data = data
         self.device_paths = device_paths
+        self.damage: list[tuple[int, int, str]] = []
 
     @classmethod
     async def open(cls, path: str, missing_ok_devices: bool = True) -> "Volume":
-        info = _read_volume_file(path)
+        info = read_volume_file(path)
         kv = await open_kv(info["meta"])
         try:
             raw = await kv.get(keys.SETTINGS)
@@ -129,12 +130,31 @@ class Volume:
                 log.warning("degraded: %s", b)
             transport = LocalTransport(stores)
             devs = sorted(stores)
-            data = DataClient(transport, devs, settings.k, settings.m, settings.inline_max)
-            return cls(path, kv, settings, transport, data, paths)
+            vol = cls(path, kv, settings, transport, None, paths)
+            vol.data = DataClient(transport, devs, settings.k, settings.m, settings.inline_max,
+                                  on_damage=vol._damaged)
+            return vol
         except BaseException:
             await kv.aclose()
             raise
 
+    def _damaged(self, sid: int, index: int, why: str) -> None:
+        self.damage.append((sid, index, why))
+
+    async def record_damage(self) -> int:
+        """Queue fragments found missing or corrupt for repair (``h/`` keys)."""
+        found, self.damage = self.damage, []
+        if found:
+            txn = self.kv.begin()
+            for sid, index, why in found:
+                txn.put(keys.damage(sid, index), why.encode()[:200])
+            await self.kv.commit(txn)
+        return len(found)
+
     async def aclose(self) -> None:
+        try:
+            await self.record_damage()
+        except Exception:  # noqa: BLE001 - closing anyway; damage is found again on read
+            log.warning("could not record damaged fragments")
         await self.transport.aclose()
         await self.kv.aclose()

@@ -13,7 +13,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0e\x65xamples.proto\x12\rbmfs.examples\"Q\n\x06Sample\x12\n\n\x02id\x18\x01 \x01(\x04\x12\r\n\x05label\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x02\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x0c\n\x04tags\x18\x05 \x03(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0e\x65xamples.proto\x12\rbmfs.examples\"Q\n\x06Sample\x12\n\n\x02id\x18\x01 \x01(\x04\x12\r\n\x05label\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x02\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x0c\n\x04tags\x18\x05 \x03(\x05\"4\n\nSampleList\x12&\n\x07samples\x18\x01 \x03(\x0b\x32\x15.bmfs.examples.Sampleb\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'examples_pb2', globals())
@@ -22,4 +22,6 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
   _SAMPLE._serialized_start=33
   _SAMPLE._serialized_end=114
+  _SAMPLELIST._serialized_start=116
+  _SAMPLELIST._serialized_end=168
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,85 @@
+"""Level 0: codec, fragment format and slice arithmetic (no I/O)."""
+import os
+import random
+
+import pytest
+
+from bmfs.data import fragment as fr
+from bmfs.data.codec import LIB_HEADER, codec
+from bmfs.meta.records import Inode, Slice, Stripe, compact, pack_slices, unpack_slices, visible
+
+
+@pytest.mark.parametrize("k,m", [(4, 2), (2, 1), (6, 3)])
+@pytest.mark.parametrize("size", [1, 4095, 4096, 100_000, 4 << 20])
+def test_decode_from_any_k(k, m, size):
+    c = codec(k, m)
+    data = os.urandom(size)
+    frags = c.encode(data)
+    assert len(frags) == k + m
+    # systematic: data fragment i holds bytes [i*B, (i+1)*B) after the library header
+    b = len(frags[0]) - LIB_HEADER
+    for i in range(k):
+        assert frags[i][LIB_HEADER:LIB_HEADER + len(data[i * b:(i + 1) * b])] == data[i * b:(i + 1) * b]
+    rng = random.Random(size)
+    for _ in range(4):
+        pick = rng.sample(range(k + m), k)
+        assert c.decode([frags[i] for i in pick]) == data
+
+
+def test_fragment_header_roundtrip_and_corruption():
+    payload = os.urandom(3 * fr.BLOCK + 123)
+    head = fr.build_header(77, 3, 4, 2, payload)
+    assert len(head) == fr.header_length(len(payload))
+    table = fr.parse_header(head, 77, 3, len(payload))
+    fr.check_blocks(table, 0, payload)
+    fr.check_blocks(table, 2, payload[2 * fr.BLOCK:])
+    bad = bytearray(payload)
+    bad[fr.BLOCK + 5] ^= 1
+    with pytest.raises(fr.CorruptFragment, match="block 1"):
+        fr.check_blocks(table, 0, bad)
+    with pytest.raises(fr.CorruptFragment, match="another fragment"):
+        fr.parse_header(head, 78, 3, len(payload))
+    h = bytearray(head)
+    h[40] ^= 0xFF  # inside the block table
+    with pytest.raises(fr.CorruptFragment, match="header checksum"):
+        fr.parse_header(bytes(h), 77, 3, len(payload))
+    with pytest.raises(fr.CorruptFragment, match="truncated"):
+        fr.parse_header(head[:20], 77, 3, len(payload))
+
+
+def test_records_roundtrip():
+    i = Inode(0o100644, 1, 2, 3, 1 << 40, 5, 6, 7, 8, 9)
+    assert Inode.unpack(i.pack()) == i
+    sl = [Slice(0, 10, 5, 0), Slice(4, 2, 6, 100)]
+    assert unpack_slices(pack_slices(sl)) == sl
+    st = Stripe(1, 5000, 2, 4, 2, 1330, [0, 1, 2, 3, 4, 0xFFFF])
+    assert Stripe.unpack(st.pack()) == st
+    inl = Stripe(0, 3, 1, data=b"abc")
+    assert Stripe.unpack(inl.pack()) == inl
+
+
+def _paint(slices, size):
+    out = [0] * size
+    for s in slices:
+        for j in range(s.length):
+            if s.pos + j < size:
+                out[s.pos + j] = (s.sid, s.soff + j)
+    return out
+
+
+def test_visible_matches_painting():
+    rng = random.Random(1)
+    for _ in range(200):
+        slices = [Slice(rng.randrange(50), rng.randrange(1, 30), rng.randrange(1, 9),
+                        rng.randrange(100)) for _ in range(rng.randrange(1, 8))]
+        a = rng.randrange(60)
+        b = rng.randrange(a, 80)
+        painted = _paint(slices, 80)
+        got = [0] * 80
+        for p in visible(slices, a, b):
+            for j in range(p.length):
+                got[p.pos + j] = (p.sid, p.soff + j) if p.sid else 0
+        assert got[a:b] == painted[a:b]
+        c = compact(slices, 80)
+        assert _paint(c, 80) == painted
+        assert len(c) <= len(slices) + 8

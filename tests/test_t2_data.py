@@ -1,0 +1,95 @@
+"""Level 2: the data path over in-process devices, with broken, wiped and corrupt ones."""
+import os
+
+import pytest
+import trio
+
+from bmfs.data.client import DataClient
+from bmfs.errors import IOFailure, NoSpace
+from bmfs.meta.records import EC, INLINE
+from bmfs.store.file import FileStore
+from bmfs.transport.local import LocalTransport
+
+
+def make(tmp_path, k=4, m=2, inline=16 << 10):
+    stores = {}
+    for d in range(k + m):
+        FileStore.format(str(tmp_path / f"d{d}"), "vol", d)
+        stores[d] = FileStore(str(tmp_path / f"d{d}"), "vol", d)
+    damage = []
+    client = DataClient(LocalTransport(stores), list(stores), k, m, inline,
+                        on_damage=lambda *a: damage.append(a))
+    return client, stores, damage
+
+
+def frag_path(store, sid, i):
+    return store._file("%016x.%d" % (sid, i))
+
+
+def test_roundtrip_and_ranges(tmp_path):
+    client, stores, damage = make(tmp_path)
+    data = os.urandom(4 << 20)
+
+    async def main():
+        st = await client.write_stripe(7, data)
+        assert st.kind == EC and len(st.devices) == 6
+        assert await client.read(7, st, 0, len(data)) == data
+        for off, n in [(0, 1), (4095, 2), (1 << 20, 4096), ((1 << 20) - 10, 20), (len(data) - 5, 100)]:
+            assert await client.read(7, st, off, n) == data[off:off + n]
+        small = await client.write_stripe(8, b"tiny")
+        assert small.kind == INLINE and await client.read(8, small, 1, 2) == b"in"
+    trio.run(main)
+    assert damage == [] and client.stats["degraded_reads"] == 0
+
+
+def test_degraded_read_two_devices_wiped(tmp_path):
+    client, stores, damage = make(tmp_path)
+    data = os.urandom(3_000_000)
+
+    async def main():
+        st = await client.write_stripe(9, data)
+        for i in (0, 2):
+            os.unlink(frag_path(stores[st.devices[i]], 9, i))
+        assert await client.read(9, st, 0, len(data)) == data
+        assert await client.read(9, st, 100, 5000) == data[100:5100]
+        os.unlink(frag_path(stores[st.devices[5]], 9, 5))
+        with pytest.raises(IOFailure, match="only 3 of 6"):
+            await client.read(9, st, 0, 10)
+    trio.run(main)
+    assert client.stats["degraded_reads"] >= 2
+    assert {(s, i) for s, i, _ in damage} >= {(9, 0), (9, 2)}
+
+
+def test_corrupt_fragment_detected_and_never_returned(tmp_path):
+    client, stores, damage = make(tmp_path)
+    data = os.urandom(2_000_000)
+
+    async def main():
+        st = await client.write_stripe(11, data)
+        p = frag_path(stores[st.devices[1]], 11, 1)
+        with open(p, "r+b") as f:
+            f.seek(os.path.getsize(p) - 1000)
+            f.write(b"\xff" * 8)
+        assert await client.read(11, st, 0, len(data)) == data
+        # a header byte too
+        p = frag_path(stores[st.devices[0]], 11, 0)
+        with open(p, "r+b") as f:
+            f.seek(10)
+            f.write(b"\x00")
+        assert await client.read(11, st, 0, len(data)) == data
+    trio.run(main)
+    reasons = " ".join(r for _, _, r in damage)
+    assert "corrupt" in reasons and client.stats["corrupt_fragments"] >= 2
+
+
+def test_write_needs_k_plus_one(tmp_path):
+    client, stores, damage = make(tmp_path)
+
+    async def main():
+        stores[0] = FileNotFoundError("device gone")
+        st = await client.write_stripe(12, os.urandom(100_000))
+        assert st.devices.count(0xFFFF) == 1
+        stores[1] = FileNotFoundError("device gone")
+        with pytest.raises(NoSpace, match="only 4 of 6"):
+            await client.write_stripe(13, os.urandom(100_000))
+    trio.run(main)

@@ -1,0 +1,258 @@
+"""Level 3: POSIX rules and branches in the vfs, without FUSE; each test ends in fsck."""
+import errno
+import os
+
+import pytest
+import trio
+
+from bmfs.errors import FsError
+from bmfs.meta import branches as br
+from bmfs.meta import namespace as ns
+from bmfs.meta.records import Inode
+from vfsutil import open_fs, read_file, write_file
+
+ROOT = 1
+
+
+def run(fn, tmp_path, **kw):
+    async def main():
+        async with open_fs(tmp_path / "vol", **kw) as fs:
+            await fn(fs)
+    trio.run(main)
+
+
+def raises(code):
+    class _Ctx:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, t, e, tb):
+            assert t is not None, f"expected errno {errno.errorcode[code]}"
+            assert issubclass(t, FsError) and e.errno == code, f"got {t.__name__}: {e}"
+            return True
+    return _Ctx()
+
+
+def test_create_read_overwrite_truncate(tmp_path):
+    async def t(fs):
+        data = os.urandom(9 << 20)
+        ino = await write_file(fs, ROOT, b"f", data)
+        assert await read_file(fs, ino) == data
+        fh = await fs.open(ino, os.O_RDWR)
+        await fs.files.write(fh, 5 << 20, b"X" * 100)
+        await fs.files.release(fh)
+        want = data[:5 << 20] + b"X" * 100 + data[(5 << 20) + 100:]
+        assert await read_file(fs, ino) == want
+        await fs.setattr(ino, size=1000)
+        await fs.setattr(ino, size=3000)
+        assert await read_file(fs, ino) == want[:1000] + bytes(2000)
+        assert (await fs.getattr(ino)).size == 3000
+    run(t, tmp_path)
+
+
+def test_sparse_past_4g(tmp_path):
+    async def t(fs):
+        fh, a = await fs.create_file(ROOT, b"sparse", 0o644, os.O_RDWR, 0, 0)
+        await fs.files.write(fh, 5 << 30, b"end")
+        await fs.files.write(fh, 10, b"start")
+        assert await fs.files.read(fh, 5 << 30, 10) == b"end"
+        assert await fs.files.read(fh, (5 << 30) - 4, 8) == bytes(4) + b"end"
+        assert await fs.files.read(fh, 0, 20) == bytes(10) + b"start" + bytes(5)
+        await fs.files.release(fh)
+        assert (await fs.getattr(a.ino)).size == (5 << 30) + 3
+    run(t, tmp_path)
+
+
+def test_names_dirs_links(tmp_path):
+    async def t(fs):
+        with raises(errno.ENAMETOOLONG):
+            await fs.mkdir(ROOT, b"x" * 256, 0o755, 0, 0)
+        d = await fs.mkdir(ROOT, b"d" * 255, 0o755, 0, 0)
+        f = await write_file(fs, d.ino, b"f", b"hi")
+        with raises(errno.ENOTDIR):
+            await fs.lookup(f, b"x")
+        with raises(errno.EEXIST):
+            await fs.mkdir(ROOT, b"d" * 255, 0o755, 0, 0)
+        with raises(errno.ENOTEMPTY):
+            await fs.rmdir(ROOT, b"d" * 255)
+        await fs.link(f, ROOT, b"hard")
+        assert (await fs.getattr(f)).nlink == 2
+        await fs.unlink(d.ino, b"f")
+        assert (await fs.getattr(f)).nlink == 1
+        assert await read_file(fs, f) == b"hi"
+        await fs.rmdir(ROOT, b"d" * 255)
+        s = await fs.symlink(ROOT, b"ln", b"/some/where", 0, 0)
+        assert await fs.readlink(s.ino) == b"/some/where"
+        assert (await fs.getattr(ROOT)).nlink == 2
+    run(t, tmp_path)
+
+
+def test_rename_rules(tmp_path):
+    async def t(fs):
+        a = await fs.mkdir(ROOT, b"a", 0o755, 0, 0)
+        b = await fs.mkdir(a.ino, b"b", 0o755, 0, 0)
+        with raises(errno.EINVAL):
+            await fs.rename(ROOT, b"a", b.ino, b"a")
+        f1 = await write_file(fs, ROOT, b"f1", b"one")
+        await write_file(fs, ROOT, b"f2", b"two")
+        with raises(errno.EEXIST):
+            await fs.rename(ROOT, b"f1", ROOT, b"f2", 1)  # RENAME_NOREPLACE
+        await fs.rename(ROOT, b"f1", ROOT, b"f2", 2)      # RENAME_EXCHANGE
+        assert (await fs.lookup(ROOT, b"f2")).ino == f1
+        await fs.rename(ROOT, b"f2", a.ino, b"moved")     # across dirs, replacing nothing
+        await fs.rename(ROOT, b"f1", a.ino, b"moved")     # replace
+        assert await read_file(fs, (await fs.lookup(a.ino, b"moved")).ino) == b"two"
+        with raises(errno.EISDIR):
+            await write_file(fs, ROOT, b"x", b"")
+            await fs.rename(ROOT, b"x", a.ino, b"b")
+        await fs.rename(a.ino, b"b", ROOT, b"b2")           # directory across parents
+        assert (await fs.getattr(a.ino)).nlink == 2
+        assert (await fs.getattr(ROOT)).nlink == 4
+    run(t, tmp_path)
+
+
+def test_unlink_open_file_keeps_data(tmp_path):
+    async def t(fs):
+        data = os.urandom(100_000)
+        ino = await write_file(fs, ROOT, b"f", data)
+        fh = await fs.open(ino, os.O_RDONLY)
+        await fs.unlink(ROOT, b"f")
+        assert await fs.files.read(fh, 0, 200_000) == data
+        await fs.files.release(fh)
+        with raises(errno.ENOENT):
+            await fs.getattr(ino)
+    run(t, tmp_path)
+
+
+def test_xattrs(tmp_path):
+    async def t(fs):
+        ino = await write_file(fs, ROOT, b"f", b"")
+        await fs.setxattr(ino, b"user.bm.type", b"npy")
+        assert await fs.getxattr(ino, b"user.bm.type") == b"npy"
+        assert await fs.listxattr(ino) == [b"user.bm.type"]
+        await fs.removexattr(ino, b"user.bm.type")
+        with raises(errno.ENODATA):
+            await fs.getxattr(ino, b"user.bm.type")
+    run(t, tmp_path)
+
+
+def test_large_directory(tmp_path):
+    async def t(fs):
+        d = await fs.mkdir(ROOT, b"big", 0o755, 0, 0)
+        for i in range(3000):
+            await fs.mknod(d.ino, b"f%05d" % i, 0o100644, 0, 0, 0)
+        names = [n for n, _ in await fs.readdir(d.ino)]
+        assert names == [b"f%05d" % i for i in range(3000)]
+    run(t, tmp_path)
+
+
+async def _bulk_tree(fs, n):
+    """n files in one transaction, written through the namespace functions."""
+    view = fs.views.get(0)
+
+    async def fn(txn, chain):
+        d = await fs._alloc_ino()
+        await ns.put_inode(txn, chain, d, Inode(0o40755, nlink=2, parent=ROOT))
+        await ns.link_entry(txn, chain, ROOT, b"tree%d" % n, d, 0o40755)
+        root = await ns.get_inode(txn, chain, ROOT)
+        root.nlink += 1
+        await ns.put_inode(txn, chain, ROOT, root)
+        for i in range(n):
+            ino = await fs._alloc_ino()
+            await ns.put_inode(txn, chain, ino, Inode(0o100644))
+            await ns.link_entry(txn, chain, d, b"%d" % i, ino, 0o100644)
+    await fs.mutate(view, fn)
+
+
+def test_branch_creation_is_o1(tmp_path):
+    async def t(fs):
+        work = {}
+        for n in (10, 100_000):
+            await _bulk_tree(fs, n)
+            r0, w0 = fs.kv.keys_read, fs.kv.keys_written
+            await br.op_branch_create(fs.kv, f"b{n}")
+            await br.op_snapshot_create(fs.kv, f"s{n}")
+            work[n] = (fs.kv.keys_read - r0, fs.kv.keys_written - w0)
+            await fs.views.refresh()
+        assert work[10] == work[100_000], work
+        assert work[10][1] <= 10
+    run(t, tmp_path)
+
+
+def test_branch_isolation_and_gc(tmp_path):
+    async def t(fs):
+        data = os.urandom(5 << 20)
+        ino = await write_file(fs, ROOT, b"f", data)
+        await br.op_branch_create(fs.kv, "exp")
+        await fs.views.refresh()
+        exp = await fs.views.add("branch", "exp")
+        eroot = exp.id << 48 | ROOT
+        einode = (await fs.lookup(eroot, b"f")).ino
+        fh = await fs.open(einode, os.O_RDWR)
+        await fs.files.write(fh, 0, b"branch!")
+        await fs.files.release(fh)
+        assert await read_file(fs, ino) == data
+        assert (await read_file(fs, einode))[:7] == b"branch!"
+        await write_file(fs, eroot, b"only-in-exp", b"x")
+        with raises(errno.ENOENT):
+            await fs.lookup(ROOT, b"only-in-exp")
+        with raises(errno.EXDEV):
+            await fs.rename(eroot, b"only-in-exp", ROOT, b"moved")
+        await br.op_snapshot_create(fs.kv, "snap")
+        await fs.views.refresh()
+        snap = await fs.views.add("snapshot", "snap")
+        with raises(errno.EROFS):
+            await fs.mkdir(snap.id << 48 | ROOT, b"d", 0o755, 0, 0)
+        stripes_before = len(await fs.kv.range(b"t/", b"t0"))
+        await br.op_branch_delete(fs.kv, "exp")
+        await fs.views.refresh()
+        await fs.volume_gc()
+        assert len(await fs.kv.range(b"t/", b"t0")) < stripes_before
+        assert await read_file(fs, ino) == data
+    run(t, tmp_path)
+
+
+def test_merge_and_diff(tmp_path):
+    async def t(fs):
+        await write_file(fs, ROOT, b"a", b"base")
+        await write_file(fs, ROOT, b"b", b"base")
+        await br.op_branch_create(fs.kv, "x")
+        await fs.views.refresh()
+        x = await fs.views.add("branch", "x")
+        xr = x.id << 48 | ROOT
+        fh = await fs.open((await fs.lookup(xr, b"a")).ino, os.O_RDWR | os.O_TRUNC)
+        await fs.files.write(fh, 0, b"from x")
+        await fs.files.release(fh)
+        await write_file(fs, xr, b"new", b"n")
+        d = await br.op_diff(fs.kv, "main", "x")
+        assert d == {"added": ["/new"], "removed": [], "changed": ["/a"]}
+        # main changes b and a: a conflicts, new and b merge cleanly
+        fh = await fs.open((await fs.lookup(ROOT, b"b")).ino, os.O_RDWR | os.O_TRUNC)
+        await fs.files.write(fh, 0, b"main b")
+        await fs.files.release(fh)
+        fh = await fs.open((await fs.lookup(ROOT, b"a")).ino, os.O_RDWR | os.O_TRUNC)
+        await fs.files.write(fh, 0, b"main a")
+        await fs.files.release(fh)
+        with pytest.raises(br.MergeConflict) as e:
+            await br.op_merge(fs.kv, "x", "main")
+        assert e.value.paths == ["/a"]
+        with raises(errno.ENOENT):
+            await fs.lookup(ROOT, b"new")  # nothing changed
+        r = await br.op_merge(fs.kv, "x", "main", strategy="theirs")
+        assert r["result"] == "merged"
+        assert await read_file(fs, (await fs.lookup(ROOT, b"a")).ino) == b"from x"
+        assert await read_file(fs, (await fs.lookup(ROOT, b"b")).ino) == b"main b"
+        assert await read_file(fs, (await fs.lookup(ROOT, b"new")).ino) == b"n"
+    run(t, tmp_path)
+
+
+def test_bad_branch_names(tmp_path):
+    async def t(fs):
+        for bad in ("", "a/b", "..", "x..y", "-x", "a" * 200, "sp ace"):
+            with raises(errno.EINVAL):
+                await br.op_branch_create(fs.kv, bad)
+        with raises(errno.EPERM):
+            await br.op_branch_delete(fs.kv, "main")
+        with raises(errno.ENOENT):
+            await br.op_branch_create(fs.kv, "ok", source="nope")
+    run(t, tmp_path)

@@ -1,0 +1,275 @@
+"""Level 4: a real FUSE mount used with ordinary tools; fsck after unmount."""
+import errno
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from mountutil import Mounted, assert_fsck_clean, bmfs
+
+
+def sh(cmd, **kw):
+    return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True, **kw)
+
+
+def make_tree(root):
+    """A real tree: nested dirs, odd names, symlinks, hard links, modes, a sparse file."""
+    os.makedirs(f"{root}/a/b/c")
+    for i in range(50):
+        with open(f"{root}/a/f{i}", "wb") as f:
+            f.write(os.urandom(i * 997))
+    with open(f"{root}/a/b/big", "wb") as f:
+        f.write(os.urandom(5 << 20))
+    with open(f"{root}/a/b/c/sp ace \u00e9", "w") as f:
+        f.write("unicode")
+    os.symlink("../f1", f"{root}/a/b/link")
+    os.link(f"{root}/a/f2", f"{root}/a/b/hard")
+    os.chmod(f"{root}/a/f3", 0o600)
+    with open(f"{root}/sparse", "wb") as f:
+        f.seek(40 << 20)  # holes read back as zeros (pyfuse3 has no SEEK_HOLE)
+        f.write(b"tail")
+
+
+def tree_digest(root):
+    out = []
+    for dp, dns, fns in os.walk(root):
+        dns.sort()
+        for n in sorted(fns + dns):
+            p = os.path.join(dp, n)
+            st = os.lstat(p)
+            rel = os.path.relpath(p, root)
+            if os.path.islink(p):
+                out.append((rel, "l", os.readlink(p)))
+            elif os.path.isdir(p):
+                out.append((rel, "d", oct(st.st_mode)))
+            else:
+                h = hashlib.sha256()
+                with open(p, "rb") as f:
+                    while b := f.read(1 << 20):
+                        h.update(b)
+                out.append((rel, "f", oct(st.st_mode), st.st_size, h.hexdigest(), st.st_nlink))
+    return out
+
+
+def test_tools_roundtrip(mnt, tmp_path):
+    src = tmp_path / "src"
+    make_tree(src)
+    want = tree_digest(src)
+    sh(f"cp -a {src} {mnt.mp}/cp")
+    assert tree_digest(f"{mnt.mp}/cp") == want
+    sh(f"rsync -aH {src}/ {mnt.mp}/rsync/")
+    assert tree_digest(f"{mnt.mp}/rsync") == want
+    sh(f"tar -C {src} -cSf {tmp_path}/t.tar . && mkdir {mnt.mp}/tar && "
+       f"tar -C {mnt.mp}/tar -xSf {tmp_path}/t.tar")
+    assert tree_digest(f"{mnt.mp}/tar") == want
+    # back out again, byte for byte
+    sh(f"cp -a {mnt.mp}/cp {tmp_path}/back")
+    assert tree_digest(f"{tmp_path}/back") == want
+    mnt.umount()
+    assert_fsck_clean(mnt.volume)
+
+
+def test_git_clone_and_fsck(mnt, tmp_path):
+    repo = tmp_path / "repo"
+    sh(f"git init -q {repo} && cd {repo} && for i in 1 2 3; do echo $i > f$i; "
+       f"git add .; git -c user.email=a@b -c user.name=t commit -qm c$i; done")
+    sh(f"git clone -q {repo} {mnt.mp}/clone")
+    r = sh(f"cd {mnt.mp}/clone && git fsck --full && git log --oneline | wc -l && git status --porcelain")
+    assert r.stdout.split()[-1] == "3"
+    mnt.umount()
+    assert_fsck_clean(mnt.volume)
+
+
+def test_posix_semantics(mnt):
+    m = mnt.mp
+    # O_EXCL, O_TRUNC, O_APPEND
+    fd = os.open(f"{m}/x", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    os.write(fd, b"hello world")
+    os.close(fd)
+    with pytest.raises(FileExistsError):
+        os.open(f"{m}/x", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    fd = os.open(f"{m}/x", os.O_WRONLY | os.O_TRUNC)
+    os.close(fd)
+    assert os.path.getsize(f"{m}/x") == 0
+    for part in (b"a", b"b", b"c"):
+        fd = os.open(f"{m}/x", os.O_WRONLY | os.O_APPEND)
+        os.write(fd, part)
+        os.close(fd)
+    assert open(f"{m}/x", "rb").read() == b"abc"
+    # names
+    with pytest.raises(OSError) as e:
+        open(f"{m}/{'n' * 256}", "w")
+    assert e.value.errno == errno.ENAMETOOLONG
+    open(f"{m}/{'n' * 255}", "w").close()
+    with pytest.raises(NotADirectoryError):
+        open(f"{m}/x/y", "w")
+    # unlink while open: data stays readable until close
+    with open(f"{m}/open", "wb") as f:
+        f.write(b"still here" * 1000)
+    fd = os.open(f"{m}/open", os.O_RDONLY)
+    os.unlink(f"{m}/open")
+    assert not os.path.exists(f"{m}/open")
+    assert os.pread(fd, 10, 0) == b"still here"
+    os.close(fd)
+    # hard links share one inode
+    os.link(f"{m}/x", f"{m}/x2")
+    a, b = os.stat(f"{m}/x"), os.stat(f"{m}/x2")
+    assert a.st_ino == b.st_ino and a.st_nlink == 2
+    # renames: replace, exchange-free, directories
+    os.makedirs(f"{m}/d1/sub")
+    os.rename(f"{m}/d1", f"{m}/d2")
+    assert os.path.isdir(f"{m}/d2/sub")
+    with pytest.raises(OSError) as e:
+        os.rename(f"{m}/d2", f"{m}/d2/sub/inside")
+    assert e.value.errno == errno.EINVAL
+    os.rename(f"{m}/x2", f"{m}/x")  # same inode: no-op
+    assert os.path.exists(f"{m}/x2")
+    with pytest.raises(OSError) as e:
+        os.rmdir(f"{m}/d2")
+    assert e.value.errno == errno.ENOTEMPTY
+    # chmod / chown / utimes
+    os.chmod(f"{m}/x", 0o640)
+    os.chown(f"{m}/x", 1234, 5678)
+    os.utime(f"{m}/x", ns=(1_000_000_000, 2_000_000_000))
+    st = os.stat(f"{m}/x")
+    assert (st.st_mode & 0o7777, st.st_uid, st.st_gid, st.st_mtime_ns) == (0o640, 1234, 5678, 2_000_000_000)
+    # xattrs
+    os.setxattr(f"{m}/x", "user.bm.type", b"npy")
+    assert os.getxattr(f"{m}/x", "user.bm.type") == b"npy"
+    assert "user.bm.type" in os.listxattr(f"{m}/x")
+    os.removexattr(f"{m}/x", "user.bm.type")
+    # symlinks
+    os.symlink("x", f"{m}/sl")
+    assert os.readlink(f"{m}/sl") == "x" and open(f"{m}/sl", "rb").read() == b"abc"
+    # statfs
+    s = os.statvfs(m)
+    assert s.f_namemax == 255 and s.f_blocks > 0
+    # the control dir is hidden but enterable
+    assert ".bm" not in os.listdir(m)
+    assert sorted(os.listdir(f"{m}/.bm")) == ["branches", "ctl", "snapshots"]
+    # locks are kept by the kernel for this mount
+    with open(f"{m}/x", "rb") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f, fcntl.LOCK_UN)
+    # truncate up and down, and a sparse file past 4 GiB
+    with open(f"{m}/t", "wb") as f:
+        f.write(b"0123456789")
+    os.truncate(f"{m}/t", 4)
+    os.truncate(f"{m}/t", 8)
+    assert open(f"{m}/t", "rb").read() == b"0123\0\0\0\0"
+    with open(f"{m}/sp", "wb") as f:
+        f.seek(5 << 30)
+        f.write(b"z")
+    assert os.path.getsize(f"{m}/sp") == (5 << 30) + 1
+    with open(f"{m}/sp", "rb") as f:
+        f.seek((5 << 30) - 2)
+        assert f.read() == b"\0\0z"
+    with pytest.raises(OSError) as e:
+        fd = os.open(f"{m}/t", os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"x", (1 << 63) - 1)
+        finally:
+            os.close(fd)
+    assert e.value.errno in (errno.EFBIG, errno.EINVAL)
+    mnt.umount()
+    assert_fsck_clean(mnt.volume)
+
+
+@pytest.fixture
+def public_mnt(volume):
+    """A mount whose path other users can reach (pytest's tmp dirs are private)."""
+    import tempfile
+    top = tempfile.mkdtemp(dir="/var/tmp", prefix="bmfs-perm-")
+    os.chmod(top, 0o755)
+    try:
+        with Mounted(volume, f"{top}/mnt") as m:
+            yield m
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_permissions_enforced(public_mnt):
+    m = public_mnt.mp
+    os.makedirs(f"{m}/private")
+    os.chmod(f"{m}/private", 0o700)
+    open(f"{m}/private/secret", "w").close()
+    os.chmod(m, 0o755)
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        "cat", f"{m}/private/secret"], capture_output=True, text=True)
+    assert r.returncode != 0 and "Permission denied" in r.stderr
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        "ls", m], capture_output=True, text=True)
+    assert r.returncode == 0 and "private" in r.stdout  # allow_other: others can use it
+
+
+def test_large_directory_listing(mnt):
+    d = f"{mnt.mp}/many"
+    os.mkdir(d)
+    n = 100_000
+    # one process creating files keeps the test about metadata, not process start-up
+    subprocess.run(["python3", "-c", f"""
+import os
+for i in range({n}):
+    os.mknod('{d}/f%06d' % i, 0o100644)
+"""], check=True)
+    names = os.listdir(d)
+    assert len(names) == n and sorted(names)[0] == "f000000" and sorted(names)[-1] == f"f{n - 1:06d}"
+
+
+def test_persistence_across_remount_and_kill9(volume, tmp_path):
+    mp = tmp_path / "m"
+    data = os.urandom(6 << 20)
+    with Mounted(volume, mp) as m:
+        with open(f"{mp}/synced", "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.mkdir(f"{mp}/dir")
+        with open(f"{mp}/dir/closed", "wb") as f:
+            f.write(b"closed file")
+        os.rename(f"{mp}/dir/closed", f"{mp}/dir/renamed")
+        m.kill9()
+    with Mounted(volume, mp) as m:
+        assert open(f"{mp}/synced", "rb").read() == data
+        assert open(f"{mp}/dir/renamed", "rb").read() == b"closed file"
+    assert_fsck_clean(volume)
+
+
+def test_mount_errors_are_one_line(tmp_path):
+    os.makedirs(tmp_path / "mp")
+    for vol in (tmp_path / "missing", tmp_path):
+        r = bmfs("mount", tmp_path / "mp", "--volume", vol, check=False)
+        assert r.returncode == 2, r
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = bmfs("fsck", tmp_path / "missing", check=False)
+    assert r.returncode == 2 and "no such volume" in r.stderr
+
+
+def test_mkfs_device_count_and_reuse(tmp_path):
+    r = bmfs("mkfs", tmp_path / "v", "--ec", "4+2", "--device", tmp_path / "d1", check=False)
+    assert r.returncode == 2 and "exactly 6 devices" in r.stderr
+    devs = [f"--device={tmp_path}/dev{i}" for i in range(3)]
+    bmfs("mkfs", tmp_path / "v", "--ec", "2+1", *devs)
+    r = bmfs("mkfs", tmp_path / "v2", "--ec", "2+1", *devs, check=False)
+    assert r.returncode == 2 and "already" in r.stderr
+    with Mounted(tmp_path / "v", tmp_path / "m") as m:
+        with open(f"{m.mp}/f", "wb") as f:
+            f.write(os.urandom(300_000))
+    assert len(os.listdir(f"{tmp_path}/dev0/frags")) >= 1
+    assert_fsck_clean(tmp_path / "v")
+
+
+def test_stress_ng_and_fio_verify(mnt):
+    if shutil.which("fio"):
+        r = subprocess.run(["fio", "--name=v", f"--directory={mnt.mp}", "--rw=randwrite",
+                            "--bs=4k", "--size=16m", "--verify=crc32c", "--do_verify=1",
+                            "--ioengine=psync", "--output-format=terse"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    else:
+        pytest.skip("fio not installed")
+    mnt.umount()
+    assert_fsck_clean(mnt.volume)

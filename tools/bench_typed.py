@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Benchmark typed views (a benchmark, not a test: it prints numbers and ratios).
+
+    tools/bench_typed.py --dir DIR [--compare-dir DIR2] [--cold]
+
+1. Iterate N small protobuf records (default 1,000,000) three ways:
+   - bmfs.typed.mmap of one record file (each record parsed from its slice on access);
+   - one file per message, open + read + ParseFromString: timed on --files files (default
+     100,000) and scaled to N, since creating a million files would dominate the run;
+   - read the whole file and parse it all: one SampleList message holding every sample
+     (protobuf's C parser does it in one call, but the process holds all N at once).
+2. Random access to 10,000 records: bmfs.typed.mmap vs one file per message.
+3. A 1 GiB float32 .npy array mapped with bmfs.typed.mmap and summed, in DIR and, with
+   --compare-dir, in a second directory (e.g. DIR a bmfs mount, DIR2 a local disk).
+
+Caveats: numbers are for a warm page cache (the files were just written) unless --cold
+is given, which drops the kernel's caches before each read phase (needs root; it slows
+everything else on the machine for a moment). RssAnon growth is the anonymous memory a
+method leaves the process with while it runs; mapped file pages are not in it.
+"""
+import argparse
+import os
+import random
+import shutil
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from bmfs import typed  # noqa: E402
+from bmfs.wire.examples_pb2 import Sample, SampleList  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", required=True, help="directory to benchmark in (e.g. a bmfs mount)")
+    p.add_argument("--compare-dir", help="second directory for the numpy comparison")
+    p.add_argument("--records", type=int, default=1_000_000)
+    p.add_argument("--files", type=int, default=100_000)
+    p.add_argument("--random", type=int, default=10_000)
+    p.add_argument("--array-mib", type=int, default=1024)
+    p.add_argument("--cold", action="store_true", help="drop page caches before reads")
+    p.add_argument("--keep", action="store_true", help="keep the files written")
+    args = p.parse_args(argv)
+    work = os.path.join(args.dir, f"bench-typed-{os.getpid()}")
+    os.makedirs(work)
+    try:
+        print(f"bench_typed: dir={args.dir}, protobuf {protobuf_version()}, "
+              f"numpy {np.__version__}, {'cold' if args.cold else 'warm'} page cache")
+        bench_records(work, args)
+        bench_numpy(args)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def protobuf_version():
+    import google.protobuf
+    from google.protobuf.internal import api_implementation
+    return f"{google.protobuf.__version__} ({api_implementation.Type()})"
+
+
+def make_sample(i):
+    return Sample(id=i, label=f"s{i}", score=i * 0.5, tags=[i % 100, 1, 2])
+
+
+def rss_anon_mib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def drop_caches(args):
+    if args.cold:
+        os.sync()
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        except OSError as e:
+            sys.exit(f"bench_typed: --cold needs root ({e.strerror})")
+
+
+class Timer:
+    def __enter__(self):
+        self.rss0 = rss_anon_mib()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
+        self.rss = rss_anon_mib() - self.rss0
+
+
+def line(label, seconds, count=None, unit="rec", extra=""):
+    rate = f"{count / seconds / 1e6:8.2f} M{unit}/s" if count else " " * 14
+    print(f"  {label:<42} {seconds:8.3f} s {rate} {extra}")
+
+
+def bench_records(work, args):
+    n, nfiles = args.records, min(args.files, args.records)
+    rec_path = os.path.join(work, "samples.rec")
+    list_path = os.path.join(work, "samples.list.pb")
+    print(f"\nrecords: {n:,} small Sample messages")
+    with Timer() as t:
+        with typed.records.writer(rec_path, Sample) as w:
+            for i in range(n):
+                w.append(make_sample(i))
+    line("write one record file", t.seconds, n,
+         extra=f"({os.path.getsize(rec_path) / 1e6:.1f} MB)")
+    with Timer() as t:
+        with open(list_path, "wb") as f:
+            f.write(SampleList(samples=[make_sample(i) for i in range(n)]).SerializeToString())
+    line("write one SampleList message", t.seconds, n)
+    files_dir = os.path.join(work, "files")
+    with Timer() as t:
+        for i in range(nfiles):
+            sub = os.path.join(files_dir, f"{i // 1000:04d}")
+            if i % 1000 == 0:
+                os.makedirs(sub)
+            with open(os.path.join(sub, f"{i:07d}.pb"), "wb") as f:
+                f.write(make_sample(i).SerializeToString())
+    line(f"write {nfiles:,} files, one message each", t.seconds, nfiles)
+
+    drop_caches(args)
+    with Timer() as t:
+        total = 0
+        recs = typed.mmap(rec_path, Sample)
+        for m in recs:
+            total += m.id
+        recs.close()
+    assert total == n * (n - 1) // 2
+    mmap_s = t.seconds
+    line("bmfs.typed.mmap, iterate all", t.seconds, n, extra=f"RssAnon {t.rss:+.1f} MiB")
+
+    drop_caches(args)
+    with Timer() as t:
+        total = 0
+        for i in range(nfiles):
+            with open(os.path.join(files_dir, f"{i // 1000:04d}", f"{i:07d}.pb"), "rb") as f:
+                total += Sample.FromString(f.read()).id
+    files_s = t.seconds * n / nfiles
+    line(f"one file per message ({nfiles:,} files, x{n / nfiles:g})", files_s, n,
+         extra=f"RssAnon {t.rss:+.1f} MiB")
+
+    drop_caches(args)
+    with Timer() as t:
+        with open(list_path, "rb") as f:
+            everything = SampleList.FromString(f.read())
+        total = 0
+        for m in everything.samples:
+            total += m.id
+    whole_s = t.seconds
+    line("read whole file + parse all (SampleList)", t.seconds, n,
+         extra=f"RssAnon {t.rss:+.1f} MiB (holds all {n:,})")
+    del everything
+    print(f"  ratio: mmap is {files_s / mmap_s:.1f}x one-file-per-message, "
+          f"{whole_s / mmap_s:.2f}x read-and-parse-all (>1 means mmap is faster)")
+
+    k = args.random
+    rng = random.Random(1)
+    picks = [rng.randrange(n) for _ in range(k)]
+    file_picks = [rng.randrange(nfiles) for _ in range(k)]
+    print(f"\nrandom access: {k:,} records")
+    drop_caches(args)
+    with Timer() as t:
+        recs = typed.mmap(rec_path, Sample)
+        opened = time.perf_counter() - t.t0
+        total = sum(recs[i].id for i in picks)
+        recs.close()
+    assert total == sum(picks)
+    mmap_s = t.seconds
+    line("bmfs.typed.mmap (open + index + parse)", t.seconds, k,
+         extra=f"(open and verify the index: {opened * 1e3:.1f} ms)")
+    drop_caches(args)
+    with Timer() as t:
+        for i in file_picks:
+            with open(os.path.join(files_dir, f"{i // 1000:04d}", f"{i:07d}.pb"), "rb") as f:
+                Sample.FromString(f.read())
+    line("one file per message", t.seconds, k)
+    print(f"  ratio: mmap is {t.seconds / mmap_s:.1f}x one-file-per-message")
+
+
+def bench_numpy(args):
+    dirs = [args.dir] + ([args.compare_dir] if args.compare_dir else [])
+    nbytes = args.array_mib << 20
+    print(f"\nnumpy: {args.array_mib} MiB float32 .npy, mapped and summed")
+    results = []
+    for d in dirs:
+        path = os.path.join(d, f"bench-typed-{os.getpid()}.npy")
+        try:
+            with Timer() as t:
+                out = np.lib.format.open_memmap(path, mode="w+", dtype="<f4",
+                                                shape=(nbytes // 4,))
+                step = 16 << 20
+                for lo in range(0, out.size, step):
+                    out[lo:lo + step] = 1.0
+                out.flush()
+                del out
+            line(f"write  {d}", t.seconds, nbytes, unit="B")
+            drop_caches(args)
+            with Timer() as t:
+                arr = typed.mmap(path)
+                total = float(arr.sum(dtype=np.float64))
+                del arr
+            assert total == nbytes // 4
+            line(f"mmap + sum  {d}", t.seconds, nbytes, unit="B")
+            results.append(t.seconds)
+        finally:
+            if os.path.exists(path):
+                os.remove(path)
+    if len(results) == 2:
+        print(f"  ratio: {dirs[0]} reads at {results[1] / results[0]:.2f}x the speed of "
+              f"{dirs[1]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -82,14 +82,19 @@ def test_corrupt_fragment_detected_and_never_returned(tmp_path):
     assert "corrupt" in reasons and client.stats["corrupt_fragments"] >= 2
 
 
-def test_write_needs_k_plus_one(tmp_path):
+def test_writes_survive_lost_devices_until_fewer_than_k(tmp_path):
     client, stores, damage = make(tmp_path)
 
     async def main():
+        data = os.urandom(100_000)
         stores[0] = FileNotFoundError("device gone")
-        st = await client.write_stripe(12, os.urandom(100_000))
-        assert st.devices.count(0xFFFF) == 1
         stores[1] = FileNotFoundError("device gone")
-        with pytest.raises(NoSpace, match="only 4 of 6"):
-            await client.write_stripe(13, os.urandom(100_000))
+        st = await client.write_stripe(12, data)
+        # every fragment stored, two of them doubled up on live devices until repair
+        assert 0xFFFF not in st.devices and not {0, 1} & set(st.devices)
+        assert len(client.needs_repair(st)) == 2
+        assert await client.read(12, st, 0, len(data)) == data
+        stores[2] = FileNotFoundError("device gone")
+        with pytest.raises(NoSpace, match="on 3 devices"):
+            await client.write_stripe(13, data)
     trio.run(main)

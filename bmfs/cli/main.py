@@ -12,7 +12,7 @@ import sys
 
 from ..errors import FsError, VolumeError
 
-COMMANDS = ["mkfs", "mount", "fsck", "status", "branch", "cat", "type_"]
+COMMANDS = ["mkfs", "mount", "fsck", "status", "branch", "repair", "node", "cluster", "cat", "type_"]
 
 
 class UserError(Exception):
@@ -51,6 +51,9 @@ def main(argv=None) -> int:
         code = 2
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:  # output piped into head & co.
+        sys.stderr.close()
+        code = 0
     except Exception:
         logging.exception("internal error")
         code = 3

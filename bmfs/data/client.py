@@ -19,7 +19,7 @@ from ..meta.records import EC, INLINE, NO_DEVICE, Stripe
 from ..transport import DeviceError
 from . import fragment as fr
 from .codec import LIB_HEADER, codec
-from .placement import place
+from .placement import place_available
 
 log = logging.getLogger(__name__)
 
@@ -44,25 +44,51 @@ class DataClient:
         frags = await trio.to_thread.run_sync(cd.encode, data)
         headers = await trio.to_thread.run_sync(
             lambda: [fr.build_header(sid, i, k, m, f) for i, f in enumerate(frags)])
-        devs = place(sid, self.devices, k + m)
+        live = [d for d in self.devices if self.transport.is_up(d)] or list(self.devices)
+        devs = place_available(sid, live, k + m)
         stored = [NO_DEVICE] * (k + m)
+        failed: set[int] = set()
 
         async def put(i):
-            try:
-                await self.transport.put(devs[i], fr.fragment_name(sid, i), [headers[i], frags[i]])
-                stored[i] = devs[i]
-            except DeviceError as e:
-                log.warning("stripe %d fragment %d not stored: %s", sid, i, e)
+            # a fragment whose device fails goes to another live device, preferring one
+            # that holds no fragment of this stripe yet
+            dev = devs[i]
+            for _ in range(3):
+                try:
+                    await self.transport.put(dev, fr.fragment_name(sid, i),
+                                             [headers[i], frags[i]])
+                    stored[i] = dev
+                    return
+                except DeviceError as e:
+                    log.warning("stripe %d fragment %d not stored: %s", sid, i, e)
+                    failed.add(dev)
+                    spare = [d for d in self.devices if d not in failed
+                             and self.transport.is_up(d)]
+                    if not spare:
+                        return
+                    fresh = [d for d in spare if d not in stored and d not in devs]
+                    dev = (fresh or spare)[i % len(fresh or spare)]
 
         async with trio.open_nursery() as nursery:
             for i in range(k + m):
                 nursery.start_soon(put, i)
         ok = sum(d != NO_DEVICE for d in stored)
+        distinct = len({d for d in stored if d != NO_DEVICE})
         need = min(k + 1, k + m)
-        if ok < need:
-            raise NoSpace(f"only {ok} of {k + m} fragments of a stripe could be stored "
-                          f"(need {need}); are devices missing?")
+        if ok < need or distinct < min(k, len(self.devices)):
+            raise NoSpace(f"only {ok} of {k + m} fragments of a stripe could be stored, on "
+                          f"{distinct} devices (need {need} on {k}); are devices missing?")
         return Stripe(EC, len(data), 0, k, m, len(frags[0]), stored)
+
+    @staticmethod
+    def needs_repair(st: Stripe) -> list[int]:
+        """Fragment indexes that are missing or share a device with another fragment."""
+        seen, out = set(), []
+        for i, d in enumerate(st.devices):
+            if d == NO_DEVICE or d in seen:
+                out.append(i)
+            seen.add(d)
+        return out
 
     async def sync(self) -> None:
         """Make every fragment written so far durable on its device."""
@@ -92,11 +118,56 @@ class DataClient:
             return b""
         if st.kind == INLINE:
             return st.data[offset:end]
-        try:
-            return await self._read_direct(sid, st, offset, end)
-        except (DeviceError, fr.CorruptFragment, _Missing):
-            data = await self._read_degraded(sid, st)
-            return data[offset:end]
+        bs = st.frag_len - LIB_HEADER
+        wanted = range(offset // bs, (end - 1) // bs + 1)
+        if any(not self.transport.is_up(st.devices[i]) for i in wanted
+               if st.devices[i] != NO_DEVICE):
+            return (await self._read_degraded(sid, st))[offset:end]
+        delay = max((self.transport.expected_latency(st.devices[i]) for i in wanted
+                     if st.devices[i] != NO_DEVICE), default=0.0)
+        if delay <= 0:
+            try:
+                return await self._read_direct(sid, st, offset, end)
+            except (DeviceError, fr.CorruptFragment, _Missing):
+                return (await self._read_degraded(sid, st))[offset:end]
+        return await self._read_hedged(sid, st, offset, end, max(0.005, 4 * delay))
+
+    async def _read_hedged(self, sid, st, offset, end, delay):
+        """Read directly; if that is slower than ``delay``, also decode from the other
+        fragments, and take whichever answers first (the straggler is cancelled)."""
+        result: list[bytes] = []
+        errors: list[Exception] = []
+        started = trio.Event()
+
+        async def direct(nursery):
+            try:
+                data = await self._read_direct(sid, st, offset, end)
+            except (DeviceError, fr.CorruptFragment, _Missing) as e:
+                errors.append(e)
+                started.set()  # start the degraded read at once
+                return
+            result.append(data)
+            nursery.cancel_scope.cancel()
+
+        async def hedge(nursery):
+            with trio.move_on_after(delay):
+                await started.wait()
+            self.stats["hedged_reads"] = self.stats.get("hedged_reads", 0) + 1
+            try:
+                data = await self._read_degraded(sid, st)
+            except IOFailure as e:
+                errors.append(e)
+                return
+            result.append(data[offset:end])
+            nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(direct, nursery)
+            nursery.start_soon(hedge, nursery)
+        if result:
+            return result[0]
+        raise next((e for e in errors if isinstance(e, IOFailure)), None) or \
+            IOFailure(f"stripe {sid}: unreadable")
 
     async def _read_direct(self, sid, st, offset, end):
         bs = st.frag_len - LIB_HEADER

@@ -22,3 +22,12 @@ def place(sid: int, devices: list[int], n: int) -> list[int]:
     if len(devices) < n:
         raise ValueError(f"{n} fragments need {n} devices, only {len(devices)} known")
     return sorted(devices, key=lambda d: _weight(sid, d), reverse=True)[:n]
+
+
+def place_available(sid: int, devices: list[int], n: int) -> list[int]:
+    """Like place, but with fewer than n devices some hold two fragments (spread later
+    by repair): a write still stores every fragment while nodes are down."""
+    if len(devices) >= n:
+        return place(sid, devices, n)
+    ranked = sorted(devices, key=lambda d: _weight(sid, d), reverse=True)
+    return [ranked[i % len(ranked)] for i in range(n)]

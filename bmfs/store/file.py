@@ -131,9 +131,13 @@ class FileStore:
                 if not name.endswith(".tmp"):
                     yield name
 
+    def names_list(self) -> list[str]:
+        return list(self.names())
+
     def usage(self) -> dict:
         st = os.statvfs(self.path)
-        return {"total": st.f_blocks * st.f_frsize, "free": st.f_bavail * st.f_frsize}
+        return {"total": st.f_blocks * st.f_frsize, "free": st.f_bavail * st.f_frsize,
+                "fsid": os.stat(self.path).st_dev}
 
     def check(self) -> None:
         """Raise VolumeError if the device directory vanished or was replaced."""

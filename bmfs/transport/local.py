@@ -37,5 +37,18 @@ class LocalTransport:
     async def sync(self, dev: int) -> None:
         await self._call(dev, "sync")
 
+    async def names(self, dev: int) -> list[str]:
+        return await self._call(dev, "names_list")
+
+    async def stat(self, dev: int) -> dict:
+        return await self._call(dev, "usage")
+
+    def is_up(self, dev: int) -> bool:
+        store = self.stores.get(dev)
+        return store is not None and not isinstance(store, Exception)
+
+    def expected_latency(self, dev: int) -> float:
+        return 0.0  # local devices: no hedging
+
     async def aclose(self) -> None:
         pass

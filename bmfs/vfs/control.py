@@ -111,6 +111,10 @@ class Control:
         if op == "status":
             from .status import volume_status
             return await volume_status(self.fs.volume)
+        if op in ("repair", "scrub", "drain"):
+            from . import repair
+            args = {k: v for k, v in req.items() if k != "op"}
+            return await getattr(repair, op)(self.fs.volume, **args)
         fn = getattr(branches, "op_" + op.replace("-", "_"), None)
         if fn is None:
             raise Invalid(f"unknown control operation {op!r}")
@@ -119,6 +123,11 @@ class Control:
         await self.fs.views.refresh()
         if isinstance(result, dict) and branches.TOUCHED in result:
             await self._invalidate(*result.pop(branches.TOUCHED))
+        if op in ("branch_delete", "snapshot_delete") and self.fs.notify is not None:
+            # the kernel caches the name for the entry timeout: a deleted tree would
+            # still show (with its contents) until then
+            parent = CTL_BRANCHES if op == "branch_delete" else CTL_SNAPSHOTS
+            await self.fs.notify.entry(parent, args["name"].encode())
         if op in ("branch_delete", "snapshot_delete", "branch_reset", "merge"):
             await self.fs.volume_gc()
         return result

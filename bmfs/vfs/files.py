@@ -167,7 +167,7 @@ class Files:
         st = await self.data.write_stripe(sid, data)
         mtime = of.mtime_ns or time.time_ns()
         idx, pos = divmod(start, CHUNK_SIZE)
-        damaged = [i for i, d in enumerate(st.devices) if d == 0xFFFF]
+        damaged = self.data.needs_repair(st) if st.kind else []
 
         async def fn(txn, chain):
             i = await ns.get_inode(txn, chain, of.ino)
@@ -175,7 +175,7 @@ class Files:
                 raise NotFound("file deleted during write")
             txn.put(keys.stripe(sid), st.pack())
             for d in damaged:
-                txn.put(keys.damage(sid, d), b"missing at write")
+                txn.put(keys.damage(sid, d), b"missing or doubled up at write")
             slices = await ns.get_chunk(txn, chain, of.ino, idx)
             slices.append(Slice(pos, len(data), sid, 0))
             if len(slices) > COMPACT_AT:

@@ -137,7 +137,7 @@ class FileSystem:
         view, ino = self.split(fino)
         i = await self._get(self.kv.begin(), view.chain, ino)
         self.files.overlay(view, ino, i)
-        if not view.writable:
+        if not view.writable and not stat.S_ISLNK(i.mode):  # symlinks are always 0777
             i.mode &= ~0o222
         return _attr(fino, i)
 
@@ -178,18 +178,21 @@ class FileSystem:
                 for name, cino, fmt in await ns.list_dir(txn, view.chain, ino)]
 
     async def statfs(self) -> dict:
-        tot = free = 0
-        for store in self.volume.transport.stores.values():
-            if isinstance(store, Exception):
+        """Capacity as user data: raw space x k/(k+m). Devices sharing one filesystem
+        (the single-machine default) are counted once."""
+        seen, tot, free = set(), 0, 0
+        for u in (await self.volume.device_usage()).values():
+            if isinstance(u, Exception):
                 continue
-            u = store.usage()
+            key = (u.get("fsid"), u["total"]) if u.get("fsid") is not None else id(u)
+            if key in seen:
+                continue
+            seen.add(key)
             tot += u["total"]
             free += u["free"]
         k, m = self.volume.settings.k, self.volume.settings.m
-        # many devices may share one filesystem: never report more than one of them
-        n = max(1, len(self.volume.transport.stores))
-        return {"bsize": 4096, "blocks": tot * k // (k + m) // 4096 // max(1, n // (k + m)),
-                "bfree": free * k // (k + m) // 4096 // max(1, n // (k + m)),
+        return {"bsize": 4096, "blocks": tot * k // (k + m) // 4096,
+                "bfree": free * k // (k + m) // 4096,
                 "files": 1 << 40, "ffree": 1 << 40, "namemax": MAX_NAME}
 
     # -- creating ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import json
 import stat
 from collections import Counter, defaultdict
 
-import trio
+from ..transport import DeviceError
 
 from ..data import fragment as fr
 from ..meta import keys
@@ -142,16 +142,17 @@ async def check_fragments(volume, stripes: dict[int, Stripe], full: bool, repair
                     fr.parse_header(head, sid, i, st.frag_len)
             except Exception as e:  # noqa: BLE001 - every failure is a finding
                 problems.append(f"stripe {sid} fragment {i} on device {dev}: {e}")
-    for dev, store in volume.transport.stores.items():
-        if isinstance(store, Exception):
-            problems.append(f"device {dev}: {store}")
+    for dev in sorted(volume.device_paths):
+        try:
+            names = set(await volume.transport.names(dev))
+        except DeviceError as e:
+            problems.append(f"device {dev}: {e}")
             continue
-        names = await trio.to_thread.run_sync(lambda: set(store.names()))
         leaked = names - expected[dev]
         if leaked:
             if repair:
                 for n in leaked:
-                    await trio.to_thread.run_sync(store.delete, n)
+                    await volume.transport.delete(dev, n)
                 notes.append(f"device {dev}: deleted {len(leaked)} leaked fragment files")
             else:
                 problems.append(f"device {dev}: {len(leaked)} fragment files no stripe owns, "

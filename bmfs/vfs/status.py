@@ -18,21 +18,17 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
         st = Stripe.unpack(v)
         for dev in st.devices:
             counts[dev] = counts.get(dev, 0) + 1
+    usage = await volume.device_usage(max_age=0)
     for dev, path in sorted(volume.device_paths.items()):
-        store = volume.transport.stores.get(dev)
-        if store is None or isinstance(store, Exception):
-            devices.append({"id": dev, "path": path, "health": "missing",
-                            "error": str(store), "fragments": counts.get(dev, 0)})
-            continue
-        try:
-            u = await trio.to_thread.run_sync(store.usage)
-            ok = os.path.exists(os.path.join(path, "DEVICE"))
-            devices.append({"id": dev, "path": path, "health": "ok" if ok else "missing",
-                            "total": u["total"], "free": u["free"],
-                            "fragments": counts.get(dev, 0)})
-        except OSError as e:
-            devices.append({"id": dev, "path": path, "health": "error", "error": str(e),
-                            "fragments": counts.get(dev, 0)})
+        u = usage.get(dev)
+        nodes = getattr(volume.transport, "device_node", None)
+        rec = {"id": dev, "path": path, "fragments": counts.get(dev, 0),
+               "node": nodes[dev].address if nodes else "local"}
+        if isinstance(u, Exception) or u is None:
+            rec.update(health="missing", error=str(u))
+        else:
+            rec.update(health="ok", total=u["total"], free=u["free"])
+        devices.append(rec)
     pending_repair = len(await volume.kv.range(b"h/", b"h0"))
     gc_queue = len(await volume.kv.range(b"g/", b"g0"))
     branches = [k[2:].decode() for k, _ in await volume.kv.range(b"b/", b"b0")]
@@ -55,8 +51,9 @@ def render(st: dict) -> str:
     lines.append(f"{'dev':>3}  {'health':<8} {'fragments':>9} {'used':>10} {'free':>10}  path")
     for d in st["devices"]:
         used = d["total"] - d["free"] if "total" in d else None
+        where = d["path"] if d.get("node") == "local" else f"{d['node']}  {d['path']}"
         lines.append(f"{d['id']:>3}  {d['health']:<8} {d['fragments']:>9} "
-                     f"{_size(used):>10} {_size(d.get('free')):>10}  {d['path']}")
+                     f"{_size(used):>10} {_size(d.get('free')):>10}  {where}")
     lines.append("")
     lines.append(f"fragments awaiting repair: {st['fragments_awaiting_repair']}; "
                  f"stripes awaiting GC: {st['stripes_awaiting_gc']}")

@@ -43,7 +43,8 @@ def read_volume_file(path: str) -> dict:
 
 
 async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = None,
-               meta: str | None = None, fragment_size: int = 1 << 20) -> VolumeSettings:
+               meta: str | None = None, fragment_size: int = 1 << 20,
+               nodes: list[str] | None = None) -> VolumeSettings:
     """Create a volume in directory ``path``. Raises VolumeError if one is there already."""
     if os.path.exists(os.path.join(path, VOLUME_FILE)):
         raise VolumeError(f"{path} already holds a bmfs volume")
@@ -66,7 +67,8 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
         txn = kv.begin()
         txn.put(keys.SETTINGS, json.dumps(settings.to_json()).encode())
         for i, d in enumerate(devices):
-            txn.put(keys.device(i), json.dumps({"path": d, "node": "local"}).encode())
+            txn.put(keys.device(i), json.dumps(
+                {"path": d, "node": nodes[i] if nodes else "local"}).encode())
         now = time.time_ns()
         root = Inode(mode=0o40755, nlink=2, atime_ns=now, mtime_ns=now, ctime_ns=now)
         txn.put(keys.counter("ino"), b"%d" % (ROOT + 1))
@@ -79,11 +81,39 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
     finally:
         await kv.aclose()
     with open(os.path.join(path, VOLUME_FILE) + ".tmp", "w") as f:
-        json.dump({"magic": "bmfs-volume", "meta": meta, "uuid": settings.uuid}, f)
+        json.dump({"magic": "bmfs-volume", "meta": meta, "uuid": settings.uuid,
+                   **({"secret": "secret"} if nodes else {})}, f)
         f.flush()
         os.fsync(f.fileno())
     os.rename(os.path.join(path, VOLUME_FILE) + ".tmp", os.path.join(path, VOLUME_FILE))
     return settings
+
+
+def _local_transport(settings, records) -> LocalTransport:
+    stores = {}
+    for dev, rec in records.items():
+        try:
+            stores[dev] = FileStore(rec["path"], settings.uuid, dev)
+        except VolumeError as e:
+            stores[dev] = e
+    bad = [s for s in stores.values() if isinstance(s, Exception)]
+    if len(bad) > settings.m:
+        raise VolumeError(f"{len(bad)} devices unusable, at most {settings.m} may be: "
+                          + "; ".join(str(b) for b in bad))
+    for b in bad:
+        log.warning("degraded: %s", b)
+    return LocalTransport(stores)
+
+
+def _tcp_transport(path, info, records):
+    from ..node.protocol import read_secret
+    from ..transport.tcp import TcpTransport
+    secret_file = os.path.join(path, info.get("secret", "secret"))
+    try:
+        secret = read_secret(secret_file)
+    except OSError as e:
+        raise VolumeError(f"{path}: cannot read the cluster secret {secret_file}: {e.strerror}")
+    return TcpTransport({dev: rec["node"] for dev, rec in records.items()}, secret)
 
 
 class Volume:
@@ -97,6 +127,7 @@ class Volume:
         self.data = data
         self.device_paths = device_paths
         self.damage: list[tuple[int, int, str]] = []
+        self._usage = None
 
     @classmethod
     async def open(cls, path: str, missing_ok_devices: bool = True) -> "Volume":
@@ -113,23 +144,16 @@ class Volume:
             settings = VolumeSettings.from_json(d)
             if settings.uuid != info.get("uuid"):
                 raise VolumeError(f"{path}: {VOLUME_FILE} and the metadata name different volumes")
-            stores, paths = {}, {}
-            for k, v in await kv.range(keys.DEVICE_PREFIX, keys.DEVICE_PREFIX + b"\xff"):
-                dev = int(k[len(keys.DEVICE_PREFIX):], 16)
-                rec = json.loads(v)
-                paths[dev] = rec["path"]
-                try:
-                    stores[dev] = FileStore(rec["path"], settings.uuid, dev)
-                except VolumeError as e:
-                    stores[dev] = e
-            bad = [s for s in stores.values() if isinstance(s, Exception)]
-            if len(bad) > settings.m:
-                raise VolumeError(f"{path}: {len(bad)} devices unusable, at most {settings.m} "
-                                  f"may be: " + "; ".join(str(b) for b in bad))
-            for b in bad:
-                log.warning("degraded: %s", b)
-            transport = LocalTransport(stores)
-            devs = sorted(stores)
+            records = {int(k[len(keys.DEVICE_PREFIX):], 16): json.loads(v)
+                       for k, v in await kv.range(keys.DEVICE_PREFIX,
+                                                  keys.DEVICE_PREFIX + b"\xff")}
+            paths = {dev: rec.get("path", "") for dev, rec in records.items()}
+            if any(rec.get("node", "local") != "local" for rec in records.values()):
+                transport = _tcp_transport(path, info, records)
+            else:
+                transport = _local_transport(settings, records)
+            devs = sorted(dev for dev, rec in records.items()
+                          if not rec.get("removed") and not rec.get("draining"))
             vol = cls(path, kv, settings, transport, None, paths)
             vol.data = DataClient(transport, devs, settings.k, settings.m, settings.inline_max,
                                   on_damage=vol._damaged)
@@ -137,6 +161,28 @@ class Volume:
         except BaseException:
             await kv.aclose()
             raise
+
+    async def device_usage(self, max_age: float = 2.0) -> dict[int, dict | Exception]:
+        """Usage of every device ({total, free} or the error), cached for ``max_age`` s."""
+        import time as _time
+        import trio
+        from ..transport import DeviceError
+        now = _time.monotonic()
+        if self._usage and now - self._usage[0] < max_age:
+            return self._usage[1]
+        out: dict[int, dict | Exception] = {}
+
+        async def one(dev):
+            try:
+                with trio.fail_after(3):
+                    out[dev] = await self.transport.stat(dev)
+            except (DeviceError, OSError, trio.TooSlowError) as e:
+                out[dev] = e
+        async with trio.open_nursery() as nursery:
+            for dev in self.device_paths:
+                nursery.start_soon(one, dev)
+        self._usage = (now, out)
+        return out
 
     def _damaged(self, sid: int, index: int, why: str) -> None:
         self.damage.append((sid, index, why))

@@ -8,6 +8,7 @@ these lazily to resolve type names such as 'proto:bmfs.examples.Sample'.
 PROTO_MODULES = (
     'examples_pb2',
     'examples_v2_pb2',
+    'node_pb2',
 )
 
 # flatbuffers root-able tables: full name -> module defining a class of that name

@@ -1,0 +1,54 @@
+"""bmfs cluster up DIR --nodes N [--ec K+M] | bmfs cluster down DIR"""
+from ..config import parse_ec
+
+
+def add_parser(sub):
+    c = sub.add_parser("cluster", help="a local test cluster of storage-node processes")
+    cs = c.add_subparsers(dest="action", metavar="ACTION")
+    cs.required = True
+    u = cs.add_parser("up", help="start N nodes and create the volume DIR")
+    u.add_argument("dir")
+    u.add_argument("--nodes", type=int, default=6)
+    u.add_argument("--ec", default="4+2")
+    u.add_argument("--meta", default="sqlite", help="sqlite (default) or etcd")
+    u.set_defaults(func=run_up)
+    r = cs.add_parser("start", help="start nodes that are not running (or one node)")
+    r.add_argument("dir")
+    r.add_argument("--node", type=int, help="(re)start just this node index")
+    r.add_argument("--fault", help="test fault control for the node: delay=SECONDS")
+    r.set_defaults(func=run_start)
+    d = cs.add_parser("down", help="stop every process of the cluster in DIR")
+    d.add_argument("dir")
+    d.set_defaults(func=run_down)
+
+
+def run_up(args) -> int:
+    from ..cluster import local
+    k, m = parse_ec(args.ec)
+    meta = None
+    if args.meta == "etcd":
+        from ..cluster import etcd  # started beside the nodes; listed in cluster.json
+        meta = etcd.start_for_cluster(args.dir)
+    elif args.meta != "sqlite":
+        raise ValueError(f"--meta is sqlite or etcd, not {args.meta!r}")
+    info = local.up(args.dir, args.nodes, k, m, meta)
+    if args.meta == "etcd":
+        etcd.record_in_cluster(args.dir)
+    for n in info["nodes"]:
+        print(f"node{n['index']}  pid {n['pid']}  {n['address']}  device {n['device']}")
+    print(f"cluster up: mount it with `bmfs mount MOUNTPOINT --volume {args.dir}`")
+    return 0
+
+
+def run_down(args) -> int:
+    from ..cluster import local
+    n = local.down(args.dir)
+    print(f"stopped {n} processes")
+    return 0
+
+
+def run_start(args) -> int:
+    from ..cluster import local
+    started = local.restart(args.dir, args.node, args.fault)
+    print("started " + (", ".join(f"node{i}" for i in started) or "nothing (all running)"))
+    return 0

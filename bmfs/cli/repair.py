@@ -1,0 +1,63 @@
+"""bmfs repair|scrub VOLUME|MOUNTPOINT: rebuild lost fragments; verify every fragment."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import trio
+
+from .common import control, find_mount, mounts
+
+
+def add_parser(sub):
+    for name, helptext in (("repair", "rebuild missing, corrupt or doubled-up fragments"),
+                           ("scrub", "verify every fragment's checksums, then repair")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("target", help="a volume directory or a mount point")
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=lambda a, op=name: run_op(a, op))
+
+
+def _mount_of(target: str | None):
+    if not target:
+        return None
+    target = os.path.abspath(target)
+    m = find_mount(target)
+    if m:
+        return m["mountpoint"]
+    for mm in mounts():
+        if mm["source"] == f"bmfs:{target}":
+            return mm["mountpoint"]
+    return None
+
+
+def run_op(args, op, **kw) -> int:
+    target = getattr(args, "target", None) or getattr(args, "mount", None) or \
+        getattr(args, "volume", None)
+    mp = _mount_of(target)
+    if mp:
+        result = control(mp, op, **kw)
+    else:
+        result = trio.run(_offline, target, op, kw)
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2))
+    else:
+        print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in result.items()))
+    return 0
+
+
+async def _offline(path, op, kw):
+    from ..vfs import repair
+    from ..vfs.volume import Volume
+    vol = await Volume.open(path)
+
+    def progress(done, total):
+        if sys.stderr.isatty() or done == total:
+            sys.stderr.write(f"\r{op}: {done}/{total} stripes")
+            if done == total:
+                sys.stderr.write("\n")
+    try:
+        return await getattr(repair, op)(vol, progress=progress, **kw)
+    finally:
+        await vol.aclose()

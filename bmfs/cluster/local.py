@@ -1,0 +1,173 @@
+"""`bmfs cluster up/down`: a test cluster of storage-node processes on this machine.
+
+DIR/cluster.json lists every process with its pid and address; DIR is also the volume
+directory (volume.json, the metadata, the cluster secret), so `bmfs mount MP --volume
+DIR` mounts it. Each node is a separate `bmfs node serve` process on loopback owning
+one device directory DIR/nodeN/dev.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import trio
+
+from ..errors import VolumeError
+
+CLUSTER_FILE = "cluster.json"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def node_command(i: int, port: int, dev: int, path: str, secret: str, uuid: str,
+                 fault: str | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "bmfs.cli.main", "node", "serve", "--name", f"node{i}",
+           "--listen", f"127.0.0.1:{port}", "--device", f"{dev}={path}",
+           "--secret-file", secret, "--volume-uuid", uuid]
+    if fault:
+        cmd += ["--fault", fault]
+    return cmd
+
+
+def start_node(directory: str, node: dict, fault: str | None = None) -> int:
+    """Start (or restart) one node process; returns its pid once it accepts connections."""
+    log = open(os.path.join(directory, f"node{node['index']}.log"), "ab")
+    cmd = node_command(node["index"], node["port"], node["device"], node["path"],
+                       os.path.join(directory, "secret"), node["uuid"], fault)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                            start_new_session=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise VolumeError(f"node{node['index']} exited with status {proc.returncode}; "
+                              f"see {directory}/node{node['index']}.log")
+        try:
+            socket.create_connection(("127.0.0.1", node["port"]), timeout=0.2).close()
+            return proc.pid
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise VolumeError(f"node{node['index']} did not start listening within 20 s")
+
+
+def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None) -> dict:
+    from ..store.file import FileStore
+    from ..vfs.volume import mkfs
+    if os.path.exists(os.path.join(directory, CLUSTER_FILE)):
+        raise VolumeError(f"{directory} already holds a cluster (bmfs cluster down first)")
+    if nodes < k + m:
+        raise VolumeError(f"--ec {k}+{m} needs at least {k + m} nodes, {nodes} given")
+    os.makedirs(directory, exist_ok=True)
+    secret = os.path.join(directory, "secret")
+    if not os.path.exists(secret):
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32).hex().encode())
+        os.close(fd)
+    ports = free_ports(nodes)
+    paths = [os.path.join(os.path.abspath(directory), f"node{i}", "dev") for i in range(nodes)]
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    settings = trio.run(lambda: mkfs(directory, k, m, devices=paths, meta=meta,
+                                     nodes=addrs))
+    info = {"volume": os.path.abspath(directory), "uuid": settings.uuid, "ec": f"{k}+{m}",
+            "meta": meta or f"sqlite:{os.path.abspath(directory)}/meta.db", "nodes": []}
+    try:
+        for i in range(nodes):
+            node = {"index": i, "device": i, "path": paths[i], "port": ports[i],
+                    "address": addrs[i], "uuid": settings.uuid}
+            node["pid"] = start_node(directory, node)
+            info["nodes"].append(node)
+    except BaseException:
+        for node in info["nodes"]:
+            _stop(node["pid"])
+        raise
+    write_info(directory, info)
+    assert FileStore  # devices were formatted by mkfs
+    return info
+
+
+def read_info(directory: str) -> dict:
+    try:
+        with open(os.path.join(directory, CLUSTER_FILE)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise VolumeError(f"{directory}: no {CLUSTER_FILE} (not a cluster started by "
+                          f"`bmfs cluster up`)")
+
+
+def write_info(directory: str, info: dict) -> None:
+    tmp = os.path.join(directory, CLUSTER_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=2)
+    os.rename(tmp, os.path.join(directory, CLUSTER_FILE))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _stop(pid: int, timeout: float = 5.0) -> None:
+    if not _alive(pid):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
+            if not _alive(pid):
+                return
+        time.sleep(0.05)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def restart(directory: str, index: int | None = None, fault: str | None = None) -> list[int]:
+    """Start the nodes that are not running (or node ``index``); returns their indexes."""
+    info = read_info(directory)
+    started = []
+    for node in info["nodes"]:
+        if index is not None and node["index"] != index:
+            continue
+        if node.get("pid") and _alive(node["pid"]):
+            if index is None:
+                continue
+            _stop(node["pid"])
+        node["pid"] = start_node(directory, node, fault)
+        started.append(node["index"])
+    write_info(directory, info)
+    return started
+
+
+def down(directory: str) -> int:
+    info = read_info(directory)
+    n = 0
+    for node in info["nodes"]:
+        if node.get("pid"):
+            _stop(node["pid"])
+            n += 1
+    for member in info.get("etcd", []):
+        if member.get("pid"):
+            _stop(member["pid"])
+            n += 1
+    os.rename(os.path.join(directory, CLUSTER_FILE),
+              os.path.join(directory, CLUSTER_FILE + ".down"))
+    return n

@@ -1,0 +1,1 @@
+"""Storage nodes: a trio server owning devices, reached over the tcp transport."""

@@ -1,0 +1,183 @@
+"""The storage-node daemon: serves fragment requests for the devices it owns.
+
+Stateless apart from its stores. Each connection authenticates first; a peer that
+sends a malformed, oversized or unknown frame gets an error reply (when one can be
+framed) and is disconnected, and the node keeps serving everyone else. Requests on
+one connection are served in order; clients open several connections for parallelism.
+Store calls (blocking file I/O) run in worker threads.
+
+Fault controls for tests (``--fault`` or the ``BMFS_NODE_FAULT`` environment variable):
+``delay=SECONDS`` delays every READ reply (a straggler).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+
+import trio
+
+from ..store.file import FileStore
+from ..wire import node_pb2 as pb
+from .protocol import Connection, ProtocolError, server_handshake
+
+log = logging.getLogger(__name__)
+Op = pb.Request.Op
+
+
+class GroupSync:
+    """Group commit: writers wait for one sync that started after their write.
+
+    Concurrent PUTs share a sync (fsync of the files written, or one syncfs), so
+    durability before acknowledgement costs a flush per batch, not per fragment.
+    """
+
+    def __init__(self, store, run):
+        self.store, self.run = store, run
+        self.requested = 0
+        self.done = 0
+        self.running = False
+        self.changed = trio.Event()
+
+    async def wait_durable(self) -> None:
+        self.requested += 1
+        mine = self.requested
+        while self.done < mine:
+            if self.running:
+                await self.changed.wait()
+                continue
+            self.running = True
+            target = self.requested
+            try:
+                await self.run(self.store.sync)
+                self.done = max(self.done, target)
+            finally:
+                self.running = False
+                self.changed.set()
+                self.changed = trio.Event()
+
+
+class NodeServer:
+    def __init__(self, name: str, secret: bytes, stores: dict[int, FileStore],
+                 read_delay: float = 0.0):
+        self.name = name
+        self.secret = secret
+        self.stores = stores
+        self.read_delay = read_delay
+        self.limiter = trio.CapacityLimiter(16)
+        self.stats = {"connections": 0, "rejected": 0, "requests": 0, "errors": 0}
+        self.syncers = {dev: GroupSync(st, self._run) for dev, st in stores.items()}
+
+    async def serve(self, host: str, port: int, task_status=trio.TASK_STATUS_IGNORED):
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self._handle_stream, listeners)
+
+    async def _handle_stream(self, stream):
+        conn = Connection(stream.socket)
+        self.stats["connections"] += 1
+        try:
+            await server_handshake(conn, self.secret, self.name)
+        except (ProtocolError, EOFError, OSError, trio.TooSlowError) as e:
+            self.stats["rejected"] += 1
+            log.warning("rejected a connection: %s", e)
+            conn.close()
+            return
+        try:
+            while True:
+                req, payload = await conn.recv(pb.Request)
+                self.stats["requests"] += 1
+                await self._serve_one(conn, req, payload)
+        except EOFError:
+            pass
+        except ProtocolError as e:
+            self.stats["errors"] += 1
+            log.warning("closing a connection: %s", e)
+            try:
+                await conn.send(pb.Response(errno=errno.EPROTO, error=str(e)))
+            except OSError:
+                pass
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    async def _serve_one(self, conn, req, payload):
+        try:
+            resp, parts = await self._dispatch(req, payload)
+        except (ValueError, KeyError) as e:
+            resp, parts = pb.Response(errno=errno.EINVAL, error=str(e)), ()
+        except FileNotFoundError:
+            resp, parts = pb.Response(errno=errno.ENOENT, error="no such fragment"), ()
+        except OSError as e:
+            resp, parts = pb.Response(errno=e.errno or errno.EIO, error=str(e)), ()
+        resp.id = req.id
+        await conn.send(resp, parts)
+
+    def _store(self, req) -> FileStore:
+        store = self.stores.get(req.device)
+        if store is None:
+            raise KeyError(f"node {self.name} has no device {req.device}")
+        return store
+
+    @staticmethod
+    def _check_name(name: str) -> str:
+        base, _, idx = name.partition(".")
+        if len(base) != 16 or not idx.isdigit() or any(c not in "0123456789abcdef" for c in base):
+            raise ValueError(f"invalid fragment name {name!r}")
+        return name
+
+    async def _run(self, fn, *args):
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    async def _dispatch(self, req, payload):
+        op = req.op
+        if op == Op.PING:
+            return pb.Response(), ()
+        store = self._store(req)
+        if op == Op.PUT:
+            name = self._check_name(req.name)
+            data = bytes(payload)  # the receive buffer is reused by the next frame
+            await self._run(store.write, name, [data])
+            if req.durable:
+                await self.syncers[req.device].wait_durable()
+            return pb.Response(), ()
+        if op == Op.READ:
+            name = self._check_name(req.name)
+            if len(req.ranges) > 64:
+                raise ValueError("too many ranges")
+            ranges = [(r.offset, r.length) for r in req.ranges]
+            if sum(n for _, n in ranges) > (64 << 20):
+                raise ValueError("read larger than 64 MiB")
+            parts = await self._run(store.read_parts, name, ranges)
+            if self.read_delay:
+                await trio.sleep(self.read_delay)
+            return pb.Response(lengths=[len(p) for p in parts]), parts
+        if op == Op.DELETE:
+            await self._run(store.delete, self._check_name(req.name))
+            return pb.Response(), ()
+        if op == Op.SYNC:
+            await self._run(store.sync)
+            return pb.Response(), ()
+        if op == Op.LIST:
+            names = await self._run(lambda: list(store.names()))
+            return pb.Response(names=names), ()
+        if op == Op.STAT:
+            info = await self._run(store.usage)
+            info["stats"] = self.stats
+            return pb.Response(info_json=json.dumps(info)), ()
+        raise ValueError(f"unknown operation {op}")
+
+
+async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict[int, str],
+                   volume_uuid: str, ready=None, read_delay: float = 0.0) -> None:
+    stores = {dev: FileStore(path, volume_uuid, dev) for dev, path in devices.items()}
+    server = NodeServer(name, secret, stores, read_delay=read_delay)
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(server.serve, host, port)
+        if ready:
+            ready(bound)
+
+
+__all__ = ["NodeServer", "run_node", "os"]

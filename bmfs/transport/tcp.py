@@ -1,0 +1,137 @@
+"""TCP transport: fragment requests to storage nodes over authenticated connections.
+
+Each node gets a small pool of connections (requests on one connection are served in
+order, so parallelism comes from several). A request that fails (connection refused
+or reset, timeout, node error) raises DeviceError; the connection is dropped, and the
+node is marked down for a short while so placement and reads skip it instead of
+waiting on it again.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import time
+
+import trio
+
+from ..node.protocol import Connection, ProtocolError, client_handshake
+from ..wire import node_pb2 as pb
+from . import DeviceError
+
+Op = pb.Request.Op
+DOWN_FOR = 2.0        # seconds a failed node is skipped before it is tried again
+CONNECT_TIMEOUT = 2.0
+
+
+class _Node:
+    def __init__(self, address: str):
+        host, _, port = address.rpartition(":")
+        self.address, self.host, self.port = address, host, int(port)
+        self.idle: list[Connection] = []
+        self.down_until = 0.0
+        self.latency = 0.002  # smoothed READ latency (seconds), for hedging
+
+
+class TcpTransport:
+    def __init__(self, devices: dict[int, str], secret: bytes, timeout: float = 10.0,
+                 pool: int = 8):
+        self.secret = secret
+        self.timeout = timeout
+        self.pool = pool
+        self.nodes = {addr: _Node(addr) for addr in set(devices.values())}
+        self.device_node = {dev: self.nodes[addr] for dev, addr in devices.items()}
+        self._ids = itertools.count(1)
+        self.stores = {dev: addr for dev, addr in devices.items()}  # for status
+
+    def is_up(self, dev: int) -> bool:
+        node = self.device_node.get(dev)
+        return node is not None and node.down_until <= time.monotonic()
+
+    async def _connect(self, node: _Node) -> Connection:
+        with trio.fail_after(CONNECT_TIMEOUT):
+            sock = trio.socket.socket()
+            try:
+                await sock.connect((node.host, node.port))
+                sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+                conn = Connection(sock)
+                await client_handshake(conn, self.secret)
+            except BaseException:
+                sock.close()
+                raise
+        return conn
+
+    async def request(self, dev: int, req, parts=(), timeout: float | None = None):
+        node = self.device_node.get(dev)
+        if node is None:
+            raise DeviceError(dev, "unknown device")
+        req.id = next(self._ids)
+        req.device = dev
+        conn = None
+        try:
+            with trio.fail_after(timeout or self.timeout):
+                conn = node.idle.pop() if node.idle else await self._connect(node)
+                await conn.send(req, parts)
+                resp, payload = await conn.recv(pb.Response)
+                payload = bytes(payload) if payload else b""
+        except (OSError, EOFError, ProtocolError, trio.TooSlowError) as e:
+            if conn is not None:
+                conn.close()
+            node.down_until = time.monotonic() + DOWN_FOR
+            what = "timed out" if isinstance(e, trio.TooSlowError) else str(e) or type(e).__name__
+            raise DeviceError(dev, f"node {node.address}: {what}") from e
+        except BaseException:
+            if conn is not None:  # cancelled mid-request: the stream is out of step
+                conn.close()
+            raise
+        if resp.id != req.id:
+            conn.close()
+            raise DeviceError(dev, f"node {node.address}: reply out of order")
+        if len(node.idle) < self.pool:
+            node.idle.append(conn)
+        else:
+            conn.close()
+        node.down_until = 0.0
+        if resp.errno:
+            raise DeviceError(dev, f"node {node.address}: {resp.error or errno.errorcode.get(resp.errno)}")
+        return resp, payload
+
+    async def put(self, dev: int, name: str, parts) -> None:
+        await self.request(dev, pb.Request(op=Op.PUT, name=name, durable=True), parts)
+
+    async def read(self, dev: int, name: str, ranges) -> list[bytes]:
+        t0 = time.monotonic()
+        resp, payload = await self.request(
+            dev, pb.Request(op=Op.READ, name=name,
+                            ranges=[pb.Range(offset=o, length=n) for o, n in ranges]))
+        node = self.device_node[dev]
+        node.latency = 0.8 * node.latency + 0.2 * (time.monotonic() - t0)
+        out, pos = [], 0
+        for n in resp.lengths:
+            out.append(payload[pos:pos + n])
+            pos += n
+        return out
+
+    async def delete(self, dev: int, name: str) -> None:
+        await self.request(dev, pb.Request(op=Op.DELETE, name=name))
+
+    async def sync(self, dev: int) -> None:
+        await self.request(dev, pb.Request(op=Op.SYNC))
+
+    async def names(self, dev: int) -> list[str]:
+        resp, _ = await self.request(dev, pb.Request(op=Op.LIST), timeout=60)
+        return list(resp.names)
+
+    async def stat(self, dev: int) -> dict:
+        resp, _ = await self.request(dev, pb.Request(op=Op.STAT), timeout=5)
+        return json.loads(resp.info_json)
+
+    def expected_latency(self, dev: int) -> float:
+        node = self.device_node.get(dev)
+        return node.latency if node else 0.01
+
+    async def aclose(self) -> None:
+        for node in self.nodes.values():
+            for c in node.idle:
+                c.close()
+            node.idle.clear()

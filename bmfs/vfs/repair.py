@@ -1,0 +1,161 @@
+"""Repair, scrub and drain: keep every stripe at full redundancy on distinct devices.
+
+- ``repair`` rebuilds fragments that are missing, corrupt (queued as ``h/`` keys by
+  reads, writes and scrub), doubled up on one device (written while nodes were down),
+  or on a device being drained: the stripe is read (decoding from any k intact
+  fragments), re-encoded, and each bad fragment is written to a live device that holds
+  no other fragment of the stripe; then the stripe record is updated in a transaction
+  that re-reads it, so concurrent reference changes are kept.
+- ``scrub`` reads every fragment in full, checks every block checksum, queues the bad
+  ones and repairs them.
+- ``drain`` marks a device as draining (no new fragments), repairs everything off it,
+  and with ``remove`` forgets it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import trio
+
+from ..data import fragment as fr
+from ..data.codec import codec
+from ..errors import IOFailure, NotFound
+from ..meta import keys
+from ..meta.records import EC, NO_DEVICE, Stripe
+from ..transport import DeviceError
+
+log = logging.getLogger(__name__)
+
+
+async def _queued(volume) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    for k, _ in await volume.kv.range(b"h/", b"h0"):
+        out.setdefault(int(k[2:18], 16), set()).add(int(k[19:], 16))
+    return out
+
+
+async def _stripes(volume):
+    for k, v in await volume.kv.range(b"t/", b"t0"):
+        st = Stripe.unpack(v)
+        if st.kind == EC:
+            yield int(k[2:], 16), st
+
+
+def _bad(volume, st: Stripe, queued: set[int], avoid: set[int]) -> list[int]:
+    out = set(queued) | set(volume.data.needs_repair(st))
+    for i, d in enumerate(st.devices):
+        if d in avoid or not volume.transport.is_up(d):
+            out.add(i)
+    return sorted(out)
+
+
+async def repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: set[int]) -> int:
+    """Rebuild fragments ``bad`` of one stripe; returns how many were moved."""
+    data = await volume.data.read(sid, st, 0, st.length)
+    frags = await trio.to_thread.run_sync(codec(st.k, st.m).encode, data)
+    if len(frags[0]) != st.frag_len:
+        raise IOFailure(f"stripe {sid}: re-encoding gave another fragment size")
+    devices = list(st.devices)
+    moved = 0
+    for i in bad:
+        holding = {d for j, d in enumerate(devices) if j != i}
+        candidates = [d for d in volume.data.devices
+                      if d not in avoid and d not in holding and volume.transport.is_up(d)]
+        if not candidates:
+            log.warning("stripe %d fragment %d: no spare device; stays degraded", sid, i)
+            continue
+        target = candidates[(sid + i) % len(candidates)]
+        head = fr.build_header(sid, i, st.k, st.m, frags[i])
+        try:
+            await volume.transport.put(target, fr.fragment_name(sid, i), [head, frags[i]])
+        except DeviceError as e:
+            log.warning("stripe %d fragment %d: %s", sid, i, e)
+            continue
+        old, devices[i] = devices[i], target
+        moved += 1
+        if old not in (NO_DEVICE, target):  # names are per index: other fragments stay
+            try:
+                await volume.transport.delete(old, fr.fragment_name(sid, i))
+            except DeviceError:
+                pass  # gone with its device; fsck --repair sweeps leftovers
+
+    async def fn(txn):
+        raw = await txn.get(keys.stripe(sid))
+        if raw is None:
+            return  # freed meanwhile: fsck --repair sweeps the rebuilt fragments
+        cur = Stripe.unpack(raw)
+        cur.devices = devices
+        txn.put(keys.stripe(sid), cur.pack())
+        for i in range(st.k + st.m):
+            if volume.data.needs_repair(cur).count(i) == 0 and devices[i] not in avoid:
+                txn.delete(keys.damage(sid, i))
+    await volume.kv.transact(fn)
+    return moved
+
+
+async def repair(volume, avoid: set[int] | None = None, progress=None) -> dict:
+    avoid = avoid or set()
+    queued = await _queued(volume)
+    todo = []
+    async for sid, st in _stripes(volume):
+        bad = _bad(volume, st, queued.pop(sid, set()), avoid)
+        if bad:
+            todo.append((sid, st, bad))
+    # queue entries of stripes that no longer exist
+    if queued:
+        txn = volume.kv.begin()
+        for sid, idxs in queued.items():
+            for i in idxs:
+                txn.delete(keys.damage(sid, i))
+        await volume.kv.commit(txn)
+    moved = failed = 0
+    for n, (sid, st, bad) in enumerate(todo, 1):
+        try:
+            moved += await repair_stripe(volume, sid, st, bad, avoid)
+        except (IOFailure, DeviceError) as e:
+            failed += 1
+            log.warning("repair of stripe %d failed: %s", sid, e)
+        if progress:
+            progress(n, len(todo))
+    return {"stripes": len(todo), "fragments_rebuilt": moved, "stripes_failed": failed}
+
+
+async def scrub(volume, progress=None) -> dict:
+    bad = 0
+    stripes = [x async for x in _stripes(volume)]
+    for n, (sid, st) in enumerate(stripes, 1):
+        for i, dev in enumerate(st.devices):
+            if dev == NO_DEVICE:
+                continue
+            try:
+                await volume.data._read_fragment(sid, st, i)
+            except (DeviceError, fr.CorruptFragment):
+                bad += 1  # _read_fragment queued it through on_damage
+        if progress:
+            progress(n, len(stripes))
+    await volume.record_damage()
+    result = await repair(volume)
+    return {"fragments_checked": sum(len(st.devices) for _, st in stripes),
+            "bad_fragments": bad, **result}
+
+
+async def drain(volume, device: int, remove: bool = False, progress=None) -> dict:
+    raw = await volume.kv.get(keys.device(device))
+    if raw is None:
+        raise NotFound(f"no device {device}")
+    rec = json.loads(raw)
+    rec["draining"] = True
+    txn = volume.kv.begin()
+    txn.put(keys.device(device), json.dumps(rec).encode())
+    await volume.kv.commit(txn)
+    if device in volume.data.devices:
+        volume.data.devices.remove(device)
+    result = await repair(volume, avoid={device}, progress=progress)
+    left = sum(st.devices.count(device) for _, st in [x async for x in _stripes(volume)])
+    if remove and left == 0:
+        rec["removed"] = True
+        txn = volume.kv.begin()
+        txn.put(keys.device(device), json.dumps(rec).encode())
+        await volume.kv.commit(txn)
+    return {**result, "fragments_left_on_device": left, "removed": bool(remove and left == 0)}

@@ -57,10 +57,9 @@ class Mounted:
             if res.returncode != 0 and is_mounted(self.mp):
                 subprocess.run(["fusermount3", "-uz", self.mp])
         if self.pid:
+            from bmfs.proc import alive
             for _ in range(200):
-                try:
-                    os.kill(self.pid, 0)
-                except ProcessLookupError:
+                if not alive(self.pid):
                     break
                 time.sleep(0.05)
             else:
@@ -68,13 +67,12 @@ class Mounted:
 
     def kill9(self):
         """Crash the daemon: SIGKILL, then clear the dead mount."""
+        from bmfs.proc import alive
         os.kill(self.pid, signal.SIGKILL)
         for _ in range(100):
-            try:
-                os.kill(self.pid, 0)
-                time.sleep(0.05)
-            except ProcessLookupError:
+            if not alive(self.pid):
                 break
+            time.sleep(0.05)
         subprocess.run(["fusermount3", "-uz", self.mp], capture_output=True)
 
     def ctl(self, op, **args):

@@ -74,8 +74,9 @@ def _serve(volume, mp, opts, ready_fd) -> int:
     from ..fuse.mount import serve
     if ready_fd is not None:
         logging.basicConfig(filename=os.path.join(volume, "mount.log"), level=logging.INFO,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                            force=True)
+                            format="%(asctime)s [%(process)d] %(levelname)s %(name)s: "
+                                   "%(message)s", force=True)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per etcd request
 
     def ready(err):
         if ready_fd is not None:
@@ -133,19 +134,23 @@ def run_umount(args) -> int:
     pid = None
     volume = m["source"].split(":", 1)[1] if m["source"].startswith("bmfs:") else None
     if volume:
-        try:
-            with open(os.path.join(volume, "mount.pid")) as f:
-                pid = int(f.read().split()[0])
-        except (OSError, ValueError):
-            pid = None
+        from ..fuse.mount import pid_file
+        for path in (pid_file(volume, mp), os.path.join(volume, "mount.pid")):
+            try:
+                with open(path) as f:
+                    words = f.read().split()
+                if words[1:2] == [mp]:  # several mounts of one volume: find this one's
+                    pid = int(words[0])
+                    break
+            except (OSError, ValueError, IndexError):
+                pass
     res = subprocess.run(["fusermount3", "-u", mp], capture_output=True, text=True)
     if res.returncode != 0:
         raise UserError(res.stderr.strip() or f"could not unmount {mp}")
     if pid:
-        for _ in range(600):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+        from ..proc import alive
+        for _ in range(1200):
+            if not alive(pid):
                 break
             time.sleep(0.05)
     return 0

@@ -115,12 +115,7 @@ def write_info(directory: str, info: dict) -> None:
     os.rename(tmp, os.path.join(directory, CLUSTER_FILE))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+from ..proc import alive as _alive  # noqa: E402
 
 
 def _stop(pid: int, timeout: float = 5.0) -> None:

@@ -96,6 +96,7 @@ async def repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: set
 
 async def repair(volume, avoid: set[int] | None = None, progress=None) -> dict:
     avoid = avoid or set()
+    await volume.record_damage()  # damage seen by reads so far joins the queue first
     queued = await _queued(volume)
     todo = []
     async for sid, st in _stripes(volume):

@@ -33,14 +33,14 @@ def write_records(path, n, make=sample, Type=Sample):
     return path
 
 
-def rss_anon_kib():
-    # Anonymous memory only: pages of a mapped file count in RssFile, not here, so this
-    # is the memory a copy of the file would show up in.
+def rss_kib(field="RssAnon"):
+    # RssAnon is anonymous memory: the memory a copy of the file would show up in. Pages
+    # of a mapped file that the process touched count in RssFile instead.
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    pytest.skip("no RssAnon in /proc/self/status")
+    pytest.skip(f"no {field} in /proc/self/status")
 
 
 # --- round trips ------------------------------------------------------------------------
@@ -156,19 +156,20 @@ def test_iterating_a_large_record_file_copies_nothing(tmp_path):
             w.append(Sample(id=i, payload=payload))
     size = os.path.getsize(path)
     recs = typed.mmap(path, Sample)
-    before = rss_anon_kib()
+    before, before_file = rss_kib(), rss_kib("RssFile")
     count = total = 0
     for m in recs:
         count += 1
         total += len(m.payload)
-    grown = rss_anon_kib() - before
+    grown, mapped = rss_kib() - before, rss_kib("RssFile") - before_file
     assert count == n and total == n * 4000
     assert grown * 1024 < size / 20, f"iteration grew anonymous memory by {grown} KiB"
+    assert mapped * 1024 > size / 2, "the records were not read through the mapping"
     # Control: the measure does see a copy of the file.
-    before = rss_anon_kib()
+    before = rss_kib()
     with open(path, "rb") as f:
         data = f.read()
-    copied = rss_anon_kib() - before
+    copied = rss_kib() - before
     assert len(data) == size and copied * 1024 > size * 0.9
     del data
 
@@ -222,7 +223,8 @@ def _rewrite_index_entry(path, i, value):
     with open(path, "rb") as f:
         f.seek(index_offset)
         crc = zlib.crc32(f.read(8 * (count + 1)))
-    _patch(path, size - 16, struct.pack("<I", crc))  # a consistent CRC: only the bound check can catch it
+    # Keep the CRC consistent, so that only the bounds check can catch the bad entry.
+    _patch(path, size - 16, struct.pack("<I", crc))
     return index_offset + 8 * i
 
 
@@ -246,7 +248,8 @@ def test_corrupt_record_files_name_file_and_offset(tmp_path):
 
     p = copy("past.rec")
     at = _rewrite_index_entry(p, 5, 10 ** 9)
-    with pytest.raises(typed.CorruptFile, match=rf"entry 5 points to offset 1000000000, past.*offset {at}\)"):
+    past = rf"entry 5 points to offset 1000000000, past.*offset {at}\)"
+    with pytest.raises(typed.CorruptFile, match=past):
         typed.mmap(p, Sample)
     recs = typed.mmap(p, Sample, verify=False)  # no up-front scan: caught on access instead
     assert recs[3] == sample(3)
@@ -335,7 +338,8 @@ def test_single_message(tmp_path):
     assert typed.mmap(p, Sample) == Sample()  # an empty file is the empty message
     good = sample(3).SerializeToString()
     p.write_bytes(good + b"\x0f\x01")
-    with pytest.raises(typed.CorruptFile, match=rf"does not parse as bmfs.examples.Sample.*offset {len(good)}\)"):
+    where = rf"does not parse as bmfs.examples.Sample.*offset {len(good)}\)"
+    with pytest.raises(typed.CorruptFile, match=where):
         typed.mmap(p, Sample)
     p.write_bytes(good)
     with pytest.raises(typed.TypeMismatch, match="instance"):
@@ -353,7 +357,7 @@ def test_flatbuffers_errors(tmp_path):
     data[4:8] = b"BMFR"
     data[0:4] = struct.pack("<I", len(data) + 100)
     p.write_bytes(bytes(data))
-    with pytest.raises(typed.CorruptFile, match=r"root table offset.*past the end.*\(at offset 0\)"):
+    with pytest.raises(typed.CorruptFile, match=r"root table offset.*past the end.*offset 0\)"):
         typed.mmap(p, Frame)
     p.write_bytes(b"\x01")
     with pytest.raises(typed.CorruptFile, match="too short"):
@@ -458,8 +462,8 @@ def test_cli_cat_and_type(tmp_path, capsys):
     assert _cli(capsys, "type", frame, "fbs:bmfs.examples.Frame")[0] == 0
     code, out, _ = _cli(capsys, "cat", frame)
     assert code == 0 and '"Name": "hi"' in out and '"Values": [\n    1.5\n  ]' in out
-    for argv in (("type", rec, "npy"), ("type", rec, "proto:no.Such"), ("cat", npy, "-t", "fbs:x.Y"),
-                 ("cat", str(tmp_path / "missing"))):
+    for argv in (("type", rec, "npy"), ("type", rec, "proto:no.Such"),
+                 ("cat", npy, "-t", "fbs:x.Y"), ("cat", str(tmp_path / "missing"))):
         code, out, err = _cli(capsys, *argv)
         assert code == 2 and out == "" and len(err.splitlines()) == 1 and "Traceback" not in err
     assert _cli(capsys, "type", rec, "--clear")[0] == 0

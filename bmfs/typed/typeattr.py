@@ -85,7 +85,9 @@ def set_type(path, Type, *, check=True):
     from bmfs.typed import records, views
     path = os.fspath(path)
     if check:
-        req = views.decide(path, registry.request(Type, path=path), recorded=None)
+        req = registry.request(Type, path=path)
+        req.instance = None  # check with a fresh object; never fill the caller's
+        req = views.decide(path, req, recorded=None)
         view = views.open_decided(path, req)
         if isinstance(view, records.RecordFile):
             view.close()

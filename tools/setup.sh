@@ -8,7 +8,7 @@ set -eu
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 APT="python3 python3-venv python3-dev gcc pkg-config libfuse3-dev fuse3 \
-     liberasurecode-dev libisal-dev attr procps ca-certificates"
+     liberasurecode-dev libisal-dev libpmem1 attr procps ca-certificates"
 [ "${1:-}" = "--test" ] && APT="$APT etcd-server fio rsync git tar stress-ng iproute2 psmisc \
   protobuf-compiler flatbuffers-compiler util-linux"
 missing=""

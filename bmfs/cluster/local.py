@@ -65,7 +65,6 @@ def start_node(directory: str, node: dict, fault: str | None = None) -> int:
 
 
 def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None) -> dict:
-    from ..store.file import FileStore
     from ..vfs.volume import mkfs
     if os.path.exists(os.path.join(directory, CLUSTER_FILE)):
         raise VolumeError(f"{directory} already holds a cluster (bmfs cluster down first)")
@@ -95,7 +94,6 @@ def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None) -> d
             _stop(node["pid"])
         raise
     write_info(directory, info)
-    assert FileStore  # devices were formatted by mkfs
     return info
 
 

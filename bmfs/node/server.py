@@ -19,6 +19,7 @@ import os
 import trio
 
 from ..store.file import FileStore
+from ..store.pmem import open_store
 from ..wire import node_pb2 as pb
 from .protocol import Connection, ProtocolError, server_handshake
 
@@ -172,7 +173,7 @@ class NodeServer:
 
 async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict[int, str],
                    volume_uuid: str, ready=None, read_delay: float = 0.0) -> None:
-    stores = {dev: FileStore(path, volume_uuid, dev) for dev, path in devices.items()}
+    stores = {dev: open_store(path, volume_uuid, dev) for dev, path in devices.items()}
     server = NodeServer(name, secret, stores, read_delay=read_delay)
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(server.serve, host, port)

@@ -19,7 +19,7 @@ from ..kv import open_kv
 from ..meta import keys
 from ..meta.namespace import ROOT
 from ..meta.records import Inode
-from ..store.file import FileStore
+from ..store.pmem import format_store, open_store
 from ..transport.local import LocalTransport
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
     if devices and len(devices) != k + m:
         raise VolumeError(f"--ec {k}+{m} needs exactly {k + m} devices, {len(devices)} given")
     os.makedirs(path, exist_ok=True)
-    devices = [os.path.abspath(d) for d in devices] if devices else \
+    devices = [d if d.startswith("pmem:") else os.path.abspath(d) for d in devices] if devices else \
         [os.path.join(os.path.abspath(path), f"dev{i}") for i in range(k + m)]
     if len(set(devices)) != len(devices):
         raise VolumeError("the same device path is given twice")
@@ -63,7 +63,7 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
         if await kv.get(keys.SETTINGS) is not None:
             raise VolumeError(f"the metadata at {meta} already holds a volume")
         for i, d in enumerate(devices):
-            FileStore.format(d, settings.uuid, i)
+            format_store(d, settings.uuid, i)
         txn = kv.begin()
         txn.put(keys.SETTINGS, json.dumps(settings.to_json()).encode())
         for i, d in enumerate(devices):
@@ -93,7 +93,7 @@ def _local_transport(settings, records) -> LocalTransport:
     stores = {}
     for dev, rec in records.items():
         try:
-            stores[dev] = FileStore(rec["path"], settings.uuid, dev)
+            stores[dev] = open_store(rec["path"], settings.uuid, dev)
         except VolumeError as e:
             stores[dev] = e
     bad = [s for s in stores.values() if isinstance(s, Exception)]

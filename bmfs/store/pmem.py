@@ -1,0 +1,255 @@
+"""A device that is one preallocated pool file, memory-mapped (pmem or any file).
+
+Where libpmem (Debian libpmem1) is present the pool is mapped with
+``pmem_map_file`` and made durable with ``pmem_persist`` (true persistent memory) or
+``pmem_msync``; otherwise Python's mmap and msync are used. Fragments are copied into
+the mapping; a fragment becomes visible only when its index slot is written and made
+durable, after its data, so a crash leaves either the whole fragment or nothing.
+
+On-media layout (revision 1), little-endian:
+
+=================  ==========  ================================================
+offset             size        content
+=================  ==========  ================================================
+0                  4096        superblock: magic ``BMPMEM01`` (8), revision u32,
+                               device id u32, pool size u64, slot count u32,
+                               data start u64, volume uuid (36 ASCII), crc32c u32
+                               of everything before it
+4096               64 x N      index slots: state u8 (1 = live), name length u8,
+                               reserved u16, name (28 bytes), data offset u64,
+                               length u64, crc32c u32 of the slot's first 48 bytes,
+                               12 reserved bytes
+4096 + 64 N        rest        data extents, 4 KiB aligned, placed first-fit
+=================  ==========  ================================================
+
+Free space is rebuilt at open from the live slots; there is no other allocator state
+to keep consistent.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import ctypes.util
+import mmap
+import os
+import struct
+import threading
+
+from crc32c import crc32c
+
+from ..errors import VolumeError
+
+MAGIC = b"BMPMEM01"
+REVISION = 1
+SUPER = struct.Struct("<8sIIQIQ36s")
+SLOT = struct.Struct("<BBH28sQQI12x")
+SLOT_SIZE = 64
+ALIGN = 4096
+DEFAULT_SIZE = 1 << 30
+
+
+def _libpmem():
+    name = ctypes.util.find_library("pmem")
+    if not name:
+        return None
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        return None
+    lib.pmem_map_file.restype = ctypes.c_void_p
+    lib.pmem_map_file.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int,
+                                  ctypes.c_uint, ctypes.POINTER(ctypes.c_size_t),
+                                  ctypes.POINTER(ctypes.c_int)]
+    lib.pmem_persist.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.pmem_msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.pmem_unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lib
+
+
+class PmemStore:
+    """Same interface as FileStore (write, read_parts, delete, sync, names, usage)."""
+
+    def __init__(self, path: str, volume_uuid: str, dev: int):
+        self.path, self.dev = path, dev
+        self._lock = threading.Lock()
+        if not os.path.exists(path):
+            raise VolumeError(f"device {dev} at {path} is missing (no pool file)")
+        size = os.path.getsize(path)
+        self._map = None
+        lib = _libpmem()
+        if lib is not None:
+            mapped, is_pmem = ctypes.c_size_t(), ctypes.c_int()
+            addr = lib.pmem_map_file(path.encode(), 0, 0, 0, ctypes.byref(mapped),
+                                     ctypes.byref(is_pmem))
+            if not addr:
+                raise VolumeError(f"device {dev}: libpmem cannot map {path}")
+            self._lib, self._addr, size = lib, addr, mapped.value
+            self._mv = memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+            persist = lib.pmem_persist if is_pmem.value else lib.pmem_msync
+            self._flush = lambda off, n: persist(addr + off, n)
+            self.mapping = "libpmem (persistent memory)" if is_pmem.value else "libpmem (msync)"
+        else:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self._map = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            self._mv = memoryview(self._map)
+            self.mapping = "mmap (msync)"
+        self._load(volume_uuid, size)
+
+    @staticmethod
+    def format(path: str, volume_uuid: str, dev: int, size: int = DEFAULT_SIZE) -> None:
+        if os.path.exists(path) and os.path.getsize(path) >= len(MAGIC):
+            with open(path, "rb") as f:
+                if f.read(len(MAGIC)) == MAGIC:
+                    raise VolumeError(f"{path} already belongs to a bmfs volume")
+        slots = max(1024, size // (256 << 10))  # one slot per 256 KiB of pool
+        data_start = (ALIGN + slots * SLOT_SIZE + ALIGN - 1) // ALIGN * ALIGN
+        if size < data_start + (1 << 20):
+            raise VolumeError(f"pmem pool {path}: {size} bytes is too small")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            head = SUPER.pack(MAGIC, REVISION, dev, size, slots, data_start,
+                              volume_uuid.encode()[:36].ljust(36))
+            os.pwrite(fd, head + struct.pack("<I", crc32c(head)), 0)
+            os.pwrite(fd, bytes(slots * SLOT_SIZE), ALIGN)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _load(self, volume_uuid, size):
+        head = bytes(self._mv[:SUPER.size + 4])
+        magic, rev, dev, psize, slots, data_start, uuid = SUPER.unpack_from(head)
+        if magic != MAGIC or crc32c(head[:SUPER.size]) != struct.unpack_from("<I", head, SUPER.size)[0]:
+            raise VolumeError(f"{self.path} is not a bmfs pmem pool (or its superblock is damaged)")
+        if rev != REVISION or uuid.decode().strip() != volume_uuid or dev != self.dev \
+                or psize != size:
+            raise VolumeError(f"{self.path} belongs to another volume or device")
+        self._slots, self._data_start, self._size = slots, data_start, size
+        self._index: dict[str, tuple[int, int, int]] = {}  # name -> (slot, offset, length)
+        self._free_slots = []
+        for i in range(slots):
+            raw = bytes(self._mv[ALIGN + i * SLOT_SIZE: ALIGN + (i + 1) * SLOT_SIZE])
+            state, nlen, _, name, off, length, crc = SLOT.unpack(raw)
+            if state == 1 and crc == crc32c(raw[:48]) and nlen <= 28:
+                self._index[name[:nlen].decode()] = (i, off, length)
+            else:
+                self._free_slots.append(i)
+        self._free_slots.reverse()
+        self._extents = sorted((off, _round(length)) for _, off, length in self._index.values())
+        self._dirty: list[tuple[int, int]] = []
+
+    def _allocate(self, n: int) -> int:
+        need = _round(n)
+        pos = self._data_start
+        for off, length in self._extents:
+            if off - pos >= need:
+                break
+            pos = max(pos, off + length)
+        if pos + need > self._size:
+            raise OSError(28, f"pmem pool {self.path} is full")
+        bisect.insort(self._extents, (pos, need))
+        return pos
+
+    def write(self, name: str, parts) -> None:
+        total = sum(len(p) for p in parts)
+        raw_name = name.encode()
+        if len(raw_name) > 28:
+            raise ValueError(f"fragment name too long for a pmem slot: {name}")
+        with self._lock:
+            if name in self._index:
+                self._delete_locked(name)
+            if not self._free_slots:
+                raise OSError(28, f"pmem pool {self.path}: no free index slot")
+            off = self._allocate(total)
+            slot = self._free_slots.pop()
+        pos = off
+        for p in parts:
+            self._mv[pos:pos + len(p)] = p
+            pos += len(p)
+        self._flush(off, total)          # data first ...
+        body = SLOT.pack(1, len(raw_name), 0, raw_name, off, total, 0)
+        body = body[:48] + struct.pack("<I", crc32c(body[:48])) + body[52:]
+        at = ALIGN + slot * SLOT_SIZE
+        self._mv[at:at + SLOT_SIZE] = body
+        self._flush(at, SLOT_SIZE)       # ... then the slot that makes it visible
+        with self._lock:
+            self._index[name] = (slot, off, total)
+
+    def _flush(self, off: int, n: int) -> None:  # replaced by libpmem's when mapped by it
+        start = off // mmap.PAGESIZE * mmap.PAGESIZE
+        self._map.flush(start, off + n - start)
+
+    def read_parts(self, name: str, ranges) -> list[bytes]:
+        with self._lock:
+            ent = self._index.get(name)
+        if ent is None:
+            raise FileNotFoundError(2, f"no fragment {name}", name)
+        _, off, length = ent
+        out = []
+        for o, n in ranges:
+            o = min(o, length)
+            n = max(0, min(n, length - o))
+            out.append(bytes(self._mv[off + o: off + o + n]))
+        return out
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        return self.read_parts(name, [(offset, length)])[0]
+
+    def _delete_locked(self, name):
+        slot, off, length = self._index.pop(name)
+        at = ALIGN + slot * SLOT_SIZE
+        self._mv[at:at + SLOT_SIZE] = bytes(SLOT_SIZE)
+        self._flush(at, SLOT_SIZE)
+        self._extents.remove((off, _round(length)))
+        self._free_slots.append(slot)
+
+    def delete(self, name: str) -> None:
+        with self._lock:
+            if name in self._index:
+                self._delete_locked(name)
+
+    def sync(self) -> None:
+        pass  # every write is flushed (msync) before it returns
+
+    def names(self):
+        with self._lock:
+            return sorted(self._index)
+
+    def names_list(self) -> list[str]:
+        return self.names()
+
+    def usage(self) -> dict:
+        with self._lock:
+            used = sum(length for _, length in self._extents)
+        total = self._size - self._data_start
+        return {"total": total, "free": total - used, "fsid": None}
+
+    def check(self) -> None:
+        if not os.path.exists(self.path):
+            raise VolumeError(f"device {self.dev} at {self.path} is missing")
+
+
+def _round(n: int) -> int:
+    return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)
+
+
+def open_store(path: str, volume_uuid: str, dev: int):
+    """A FileStore for a directory, a PmemStore for ``pmem:PATH[:SIZE_IN_MIB]``."""
+    if path.startswith("pmem:"):
+        return PmemStore(path[5:].partition(":")[0], volume_uuid, dev)
+    from .file import FileStore
+    return FileStore(path, volume_uuid, dev)
+
+
+def format_store(path: str, volume_uuid: str, dev: int) -> None:
+    """Format a device: ``pmem:PATH[:SIZE_IN_MIB]`` is a pool file, anything else a dir."""
+    if path.startswith("pmem:"):
+        p, _, size = path[5:].partition(":")
+        PmemStore.format(p, volume_uuid, dev, int(size) << 20 if size else DEFAULT_SIZE)
+    else:
+        from .file import FileStore
+        FileStore.format(path, volume_uuid, dev)

@@ -1,0 +1,88 @@
+"""Level 1: one conformance suite for every fragment store (directory and pmem pool)."""
+import os
+import threading
+
+import pytest
+
+from bmfs.errors import VolumeError
+from bmfs.store.pmem import format_store, open_store
+
+
+@pytest.fixture(params=["dir", "pmem"])
+def spec(request, tmp_path):
+    if request.param == "dir":
+        return str(tmp_path / "dev")
+    return f"pmem:{tmp_path}/pool:64"
+
+
+def make(spec):
+    format_store(spec, "vol-uuid", 3)
+    return open_store(spec, "vol-uuid", 3)
+
+
+def test_write_read_delete(spec):
+    s = make(spec)
+    a, b = os.urandom(10_000), os.urandom(300_000)
+    s.write("0000000000000001.0", [a[:10], a[10:]])
+    s.write("0000000000000002.5", [b])
+    assert s.read_parts("0000000000000001.0", [(0, 10), (9990, 100)]) == [a[:10], a[9990:]]
+    assert sorted(s.names()) == ["0000000000000001.0", "0000000000000002.5"]
+    s.write("0000000000000001.0", [b"replaced"])
+    assert s.read_parts("0000000000000001.0", [(0, 100)]) == [b"replaced"]
+    s.delete("0000000000000001.0")
+    s.delete("0000000000000001.0")  # deleting twice is fine
+    with pytest.raises(FileNotFoundError):
+        s.read_parts("0000000000000001.0", [(0, 1)])
+    s.sync()
+    u = s.usage()
+    assert 0 < u["free"] <= u["total"]
+
+
+def test_survives_reopen_and_rejects_foreign(spec):
+    s = make(spec)
+    data = os.urandom(123_457)
+    s.write("00000000000000aa.1", [data])
+    s.sync()
+    del s
+    again = open_store(spec, "vol-uuid", 3)
+    assert again.read_parts("00000000000000aa.1", [(0, 1 << 20)]) == [data]
+    with pytest.raises(VolumeError):
+        open_store(spec, "other-volume", 3)
+    with pytest.raises(VolumeError, match="already belongs"):
+        format_store(spec, "vol-uuid", 3)
+
+
+def test_concurrent_writers_and_space_reuse(spec):
+    s = make(spec)
+    blobs = {f"{i:016x}.0": os.urandom(200_000 + i) for i in range(40)}
+
+    def put(items):
+        for name, data in items:
+            s.write(name, [data])
+    items = list(blobs.items())
+    threads = [threading.Thread(target=put, args=(items[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name, data in blobs.items():
+        assert s.read_parts(name, [(0, 1 << 20)]) == [data]
+    free = s.usage()["free"]
+    for name in list(blobs)[:20]:
+        s.delete(name)
+    assert s.usage()["free"] > free
+    for name, data in list(blobs.items())[:20]:  # freed space is used again
+        s.write(name, [data])
+        assert s.read_parts(name, [(0, 1 << 20)]) == [data]
+
+
+def test_pool_full_is_an_error_not_corruption(tmp_path):
+    spec = f"pmem:{tmp_path}/small:8"
+    s = make(spec)
+    written = []
+    with pytest.raises(OSError, match="full|slot"):
+        for i in range(100):
+            s.write(f"{i:016x}.0", [bytes([i]) * 300_000])
+            written.append(i)
+    for i in written:
+        assert s.read_parts(f"{i:016x}.0", [(0, 10)]) == [bytes([i]) * 10]

@@ -5,6 +5,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -273,3 +274,27 @@ def test_stress_ng_and_fio_verify(mnt):
         pytest.skip("fio not installed")
     mnt.umount()
     assert_fsck_clean(mnt.volume)
+
+
+def test_mount_t_fuse_bmfs_and_fstab(volume, tmp_path):
+    """`mount -t fuse.bmfs VOLUME DIR` and an fstab line (mount.fuse.bmfs helper)."""
+    if not os.path.exists("/sbin/mount.fuse.bmfs"):
+        pytest.skip("tools/setup.sh installs /sbin/mount.fuse.bmfs")
+    mp = tmp_path / "m"
+    mp.mkdir()
+    helper = os.path.dirname(os.path.abspath(__file__)) + "/../mount/mount.fuse.bmfs"
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + ":" + os.environ["PATH"])
+    assert os.path.samefile(os.path.realpath("/sbin/mount.fuse.bmfs"), helper)
+    subprocess.run(["mount", "-t", "fuse.bmfs", str(volume), str(mp)], check=True, env=env)
+    try:
+        (mp / "f").write_text("via mount -t")
+    finally:
+        bmfs("umount", mp)
+    fstab = tmp_path / "fstab"
+    fstab.write_text(f"{volume} {mp} fuse.bmfs defaults 0 0\n")
+    subprocess.run(["mount", "-T", str(fstab), str(mp)], check=True, env=env)
+    try:
+        assert (mp / "f").read_text() == "via mount -t"
+    finally:
+        bmfs("umount", mp)
+    assert_fsck_clean(volume)

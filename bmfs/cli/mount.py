@@ -115,7 +115,12 @@ def _spawn(volume, mp, args) -> int:
 
 
 def _raise_read_ahead(mp, kb: int = 4096) -> None:
-    """Reads come in 128 KiB unless the mount's bdi read-ahead is raised."""
+    """Reads come in 128 KiB unless the mount's bdi read-ahead is raised.
+
+    The kernel sets the bdi up when the FUSE handshake (INIT) completes, which may be
+    after the mount appears: a stat through the mount waits for that, so the value
+    written here is not overwritten by the kernel's default."""
+    os.stat(mp)
     m = find_mount(mp)
     if not m or not m.get("dev"):
         return

@@ -48,6 +48,10 @@ class KV(abc.ABC):
     # statistics (work done, for tests and `bmfs status`): keys read, keys written
     keys_read: int = 0
     keys_written: int = 0
+    # Engines whose only writer is this process (memory, sqlite) count their commits:
+    # a transaction during which nothing else committed needs no compare at all.
+    single_writer: bool = False
+    commits: int = 0
 
     # -- primitives an engine implements ---------------------------------------------
     @abc.abstractmethod
@@ -90,7 +94,8 @@ class KV(abc.ABC):
 
     async def commit(self, txn: "Txn") -> None:
         if txn.writes:
-            await self._commit(txn.reads, txn.writes)
+            unchanged = self.single_writer and txn.epoch == self.commits
+            await self._commit({} if unchanged else txn.reads, txn.writes)
             self.keys_written += len(txn.writes)
 
     async def transact(self, fn: Callable[["Txn"], Awaitable[T]], attempts: int = 64) -> T:
@@ -113,19 +118,25 @@ class KV(abc.ABC):
 class Txn:
     """An optimistic transaction: records read revisions, buffers writes."""
 
-    __slots__ = ("kv", "reads", "writes")
+    __slots__ = ("kv", "reads", "writes", "epoch", "_got")
 
     def __init__(self, kv: KV):
         self.kv = kv
+        self.epoch = kv.commits
         self.reads: dict[bytes, int] = {}
         self.writes: dict[bytes, bytes | None] = {}
+        self._got: dict[bytes, bytes | None] = {}  # values read by get: each read once
 
     async def get(self, key: bytes) -> bytes | None:
         if key in self.writes:
             return self.writes[key]
+        if key in self._got:  # the commit compares its revision: no need to ask again
+            return self._got[key]
         value, rev = await self.kv._get(key)
         self.kv.keys_read += 1
         self.reads.setdefault(key, rev)
+        if self.reads[key] == rev:
+            self._got[key] = value
         return value
 
     async def range(self, start: bytes, end: bytes, limit: int = 0) -> list[tuple[bytes, bytes]]:

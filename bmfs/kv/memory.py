@@ -8,6 +8,8 @@ from . import KV
 
 
 class MemoryKV(KV):
+    single_writer = True
+
     def __init__(self, url="memory:"):
         self.url = url
         self._keys: list[bytes] = []

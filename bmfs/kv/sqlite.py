@@ -19,6 +19,8 @@ from . import KV
 
 
 class SqliteKV(KV):
+    single_writer = True  # one process owns the database (lock file)
+
     def __init__(self, url, db, lockfd, path):
         self.url = url
         self._db = db
@@ -43,6 +45,9 @@ class SqliteKV(KV):
         db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
+        # one process owns the database: no file locking on every transaction
+        db.execute("PRAGMA locking_mode=EXCLUSIVE")
+        db.execute("PRAGMA wal_autocheckpoint=8192")
         db.execute("PRAGMA cache_size=-65536")
         db.execute("CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, v BLOB NOT NULL, "
                    "rev INTEGER NOT NULL) WITHOUT ROWID")

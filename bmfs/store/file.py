@@ -29,7 +29,8 @@ class FileStore:
 
     @staticmethod
     def format(path: str, volume_uuid: str, dev: int) -> None:
-        os.makedirs(os.path.join(path, "frags"), exist_ok=True)
+        for i in range(256):  # all fan-out directories now, not one makedirs per write
+            os.makedirs(os.path.join(path, "frags", "%02x" % i), exist_ok=True)
         marker = os.path.join(path, "DEVICE")
         if os.path.exists(marker):
             raise VolumeError(f"{path} already belongs to a bmfs volume")
@@ -92,12 +93,26 @@ class FileStore:
         except FileNotFoundError:
             pass
 
-    def sync(self) -> None:
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def take_pending(self) -> set[str]:
         with self._lock:
             pending, self._pending = self._pending, set()
-        if not pending:
+        return pending
+
+    def fsid(self) -> int:
+        return os.stat(self.path).st_dev
+
+    def sync(self, syncfs: bool = False) -> None:
+        """Make the fragments written since the last sync durable. ``syncfs=True``
+        syncs the whole filesystem at once (the caller knows many files are pending
+        across devices sharing it)."""
+        with self._lock:
+            pending, self._pending = self._pending, set()
+        if not pending and not syncfs:
             return
-        if len(pending) >= SYNCFS_THRESHOLD:
+        if syncfs or len(pending) >= SYNCFS_THRESHOLD:
             fd = os.open(self.path, os.O_RDONLY)
             try:
                 if _libc.syncfs(fd) != 0:

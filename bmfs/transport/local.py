@@ -37,6 +37,30 @@ class LocalTransport:
     async def sync(self, dev: int) -> None:
         await self._call(dev, "sync")
 
+    async def sync_many(self, devs) -> None:
+        """Sync several devices; devices sharing one filesystem (the single-machine
+        default) are synced together with one syncfs when many files are pending."""
+        groups: dict[object, list] = {}
+        for dev in devs:
+            store = self.stores.get(dev)
+            if store is None or isinstance(store, Exception) or not hasattr(store, "fsid"):
+                if store is not None and not isinstance(store, Exception):
+                    await self._call(dev, "sync")
+                continue
+            try:
+                groups.setdefault(store.fsid(), []).append(store)
+            except OSError as e:
+                raise DeviceError(dev, f"sync failed: {e}") from e
+        for stores in groups.values():
+            many = sum(s.pending() for s in stores) >= 32
+            if many:  # one syncfs covers every device of this filesystem
+                for other in stores[1:]:
+                    other.take_pending()  # taken before the syncfs starts: covered by it
+                await self._call(stores[0].dev, "sync", True)
+            else:
+                for st in stores:
+                    await self._call(st.dev, "sync")
+
     async def names(self, dev: int) -> list[str]:
         return await self._call(dev, "names_list")
 

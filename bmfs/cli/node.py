@@ -19,6 +19,7 @@ def add_parser(sub):
     s.add_argument("--secret-file", required=True, help="file holding the cluster secret")
     s.add_argument("--volume-uuid", required=True)
     s.add_argument("--name", default=None)
+    s.add_argument("--meta", help="etcd://... : keep a leased membership record there")
     s.add_argument("--fault", default=os.environ.get("BMFS_NODE_FAULT"),
                    help="test fault control: delay=SECONDS slows every read reply")
     s.set_defaults(func=run_serve)
@@ -37,6 +38,7 @@ def run_serve(args) -> int:
     from ..node.server import run_node
     logging.basicConfig(level=logging.INFO, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         raise UserError(f"--listen wants HOST:PORT, not {args.listen!r}")
@@ -57,7 +59,7 @@ def run_serve(args) -> int:
     except OSError as e:
         raise UserError(f"cannot read {args.secret_file}: {e.strerror}")
     trio.run(run_node, args.name or args.listen, host, int(port), secret, devices,
-             args.volume_uuid, None, delay)
+             args.volume_uuid, None, delay, args.meta)
     return 0
 
 

@@ -34,12 +34,14 @@ def free_ports(n: int) -> list[int]:
 
 
 def node_command(i: int, port: int, dev: int, path: str, secret: str, uuid: str,
-                 fault: str | None = None) -> list[str]:
+                 fault: str | None = None, meta: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "bmfs.cli.main", "node", "serve", "--name", f"node{i}",
            "--listen", f"127.0.0.1:{port}", "--device", f"{dev}={path}",
            "--secret-file", secret, "--volume-uuid", uuid]
     if fault:
         cmd += ["--fault", fault]
+    if meta and meta.startswith("etcd:"):
+        cmd += ["--meta", meta]  # leased membership record (node/membership.py)
     return cmd
 
 
@@ -47,7 +49,7 @@ def start_node(directory: str, node: dict, fault: str | None = None) -> int:
     """Start (or restart) one node process; returns its pid once it accepts connections."""
     log = open(os.path.join(directory, f"node{node['index']}.log"), "ab")
     cmd = node_command(node["index"], node["port"], node["device"], node["path"],
-                       os.path.join(directory, "secret"), node["uuid"], fault)
+                       os.path.join(directory, "secret"), node["uuid"], fault, node.get("meta"))
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             start_new_session=True)
     deadline = time.monotonic() + 20
@@ -86,7 +88,7 @@ def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None) -> d
     try:
         for i in range(nodes):
             node = {"index": i, "device": i, "path": paths[i], "port": ports[i],
-                    "address": addrs[i], "uuid": settings.uuid}
+                    "address": addrs[i], "uuid": settings.uuid, "meta": meta}
             node["pid"] = start_node(directory, node)
             info["nodes"].append(node)
     except BaseException:

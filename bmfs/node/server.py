@@ -172,13 +172,25 @@ class NodeServer:
 
 
 async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict[int, str],
-                   volume_uuid: str, ready=None, read_delay: float = 0.0) -> None:
+                   volume_uuid: str, ready=None, read_delay: float = 0.0,
+                   meta: str | None = None) -> None:
     stores = {dev: open_store(path, volume_uuid, dev) for dev, path in devices.items()}
     server = NodeServer(name, secret, stores, read_delay=read_delay)
-    async with trio.open_nursery() as nursery:
-        bound = await nursery.start(server.serve, host, port)
-        if ready:
-            ready(bound)
+    kv = None
+    if meta:
+        from ..kv import open_kv
+        kv = await open_kv(meta)
+    try:
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(server.serve, host, port)
+            if kv is not None and hasattr(kv, "grant_lease"):
+                from .membership import keep_registered
+                await nursery.start(keep_registered, kv, name, f"{host}:{bound}", stores)
+            if ready:
+                ready(bound)
+    finally:
+        if kv is not None:
+            await kv.aclose()
 
 
 __all__ = ["NodeServer", "run_node", "os"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import trio
 
@@ -29,13 +30,19 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
         else:
             rec.update(health="ok", total=u["total"], free=u["free"])
         devices.append(rec)
+    from ..node.membership import live_nodes
+    nodes = await live_nodes(volume.kv)
+    for d in devices:
+        for name, rec in nodes.items():
+            if d["id"] in rec.get("devices", []):
+                d["membership"] = {"node": name, "heartbeat": rec["heartbeat"]}
     pending_repair = len(await volume.kv.range(b"h/", b"h0"))
     gc_queue = len(await volume.kv.range(b"g/", b"g0"))
     branches = [k[2:].decode() for k, _ in await volume.kv.range(b"b/", b"b0")]
     snapshots = [k[2:].decode() for k, _ in await volume.kv.range(b"n/", b"n0")]
     return {"volume": os.path.abspath(volume.path), "uuid": s.uuid, "ec": f"{s.k}+{s.m}",
             "format": s.format, "stripe_size": s.stripe_size, "inline_max": s.inline_max,
-            "meta": volume.kv.url, "devices": devices, "fragments_awaiting_repair": pending_repair,
+            "meta": volume.kv.url, "devices": devices, "nodes": nodes, "fragments_awaiting_repair": pending_repair,
             "stripes_awaiting_gc": gc_queue, "branches": branches, "snapshots": snapshots,
             "data": data_stats or dict(volume.data.stats)}
 
@@ -54,6 +61,12 @@ def render(st: dict) -> str:
         where = d["path"] if d.get("node") == "local" else f"{d['node']}  {d['path']}"
         lines.append(f"{d['id']:>3}  {d['health']:<8} {d['fragments']:>9} "
                      f"{_size(used):>10} {_size(d.get('free')):>10}  {where}")
+    if st.get("nodes"):
+        lines.append("")
+        lines.append("nodes registered in the metadata (leased heartbeats):")
+        for name, rec in sorted(st["nodes"].items()):
+            lines.append(f"  {name:<10} {rec['address']:<22} devices {rec['devices']}  "
+                         f"last heartbeat {max(0.0, time.time() - rec['heartbeat']):.1f} s ago")
     lines.append("")
     lines.append(f"fragments awaiting repair: {st['fragments_awaiting_repair']}; "
                  f"stripes awaiting GC: {st['stripes_awaiting_gc']}")

@@ -1,0 +1,59 @@
+"""Node membership and liveness in the metadata (etcd engine): leased records.
+
+A node started with ``--meta etcd://...`` keeps ``v/node/<name>`` alive under an
+etcd lease (TTL 10 s, renewed every 3 s): its address, devices and usage. When the
+node dies the lease expires and the record vanishes, so `bmfs status` (and anything
+placing fragments) sees who is alive from the metadata. With the embedded SQLite
+engine the mount owns the metadata; the mount then asks nodes directly (STAT).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import trio
+
+from ..errors import FsError
+
+log = logging.getLogger(__name__)
+PREFIX = b"v/node/"
+TTL = 10
+RENEW_EVERY = 3.0
+
+
+def node_key(name: str) -> bytes:
+    return PREFIX + name.encode()
+
+
+async def keep_registered(kv, name: str, address: str, stores: dict, task_status=trio.TASK_STATUS_IGNORED):
+    """Register this node and keep its lease alive until cancelled."""
+    started = time.time()
+    lease = None
+    first = True
+    while True:
+        try:
+            if lease is None:
+                lease = await kv.grant_lease(TTL)
+            usage = {dev: await trio.to_thread.run_sync(st.usage) for dev, st in stores.items()}
+            record = {"address": address, "devices": sorted(stores), "usage": usage,
+                      "started": started, "heartbeat": time.time()}
+            await kv.put_with_lease(node_key(name), json.dumps(record).encode(), lease)
+            if first:
+                task_status.started()
+                first = False
+            for _ in range(3):
+                await trio.sleep(RENEW_EVERY)
+                await kv.keepalive(lease)
+        except FsError as e:  # lease expired (NotFound) or etcd unreachable (Unavailable)
+            log.warning("membership: %s; registering again", e)
+            lease = None
+            if first:
+                task_status.started()
+                first = False
+            await trio.sleep(1.0)
+
+
+async def live_nodes(kv) -> dict[str, dict]:
+    return {k[len(PREFIX):].decode(): json.loads(v)
+            for k, v in await kv.range(PREFIX, PREFIX[:-1] + b"0")}

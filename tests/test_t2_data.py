@@ -53,6 +53,8 @@ def test_degraded_read_two_devices_wiped(tmp_path):
         assert await client.read(9, st, 0, len(data)) == data
         assert await client.read(9, st, 100, 5000) == data[100:5100]
         os.unlink(frag_path(stores[st.devices[5]], 9, 5))
+        assert await client.read(9, st, 7, 9) == data[7:16]  # decoded stripe is cached
+        client._decoded.clear()
         with pytest.raises(IOFailure, match="only 3 of 6"):
             await client.read(9, st, 0, 10)
     trio.run(main)

@@ -10,6 +10,7 @@ Damage seen on the way is reported through ``on_damage(sid, index, reason)``.
 """
 from __future__ import annotations
 
+import collections
 import logging
 
 import trio
@@ -22,6 +23,7 @@ from .codec import LIB_HEADER, codec
 from .placement import place_available
 
 log = logging.getLogger(__name__)
+DECODED_CACHE = 8  # stripes (up to 8 x 4 MiB)
 
 
 class DataClient:
@@ -33,6 +35,9 @@ class DataClient:
         self.inline_max = inline_max
         self.on_damage = on_damage or (lambda sid, idx, why: None)
         self.stats = {"degraded_reads": 0, "corrupt_fragments": 0, "missing_fragments": 0}
+        # the last stripes decoded by degraded reads: a sequential reader asks for the
+        # same stripe several times (one request per MiB or less), decode it once
+        self._decoded: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()
 
     # -- writes ---------------------------------------------------------------------------
     async def write_stripe(self, sid: int, data) -> Stripe:
@@ -224,7 +229,8 @@ class DataClient:
             self._damaged(sid, index, f"unreadable: {e}")
             raise
         off = p0 - b0 * fr.BLOCK
-        return blocks[off:off + n]
+        out = blocks[off:off + n]
+        return out if isinstance(out, bytes) else bytes(out)
 
     async def _read_fragment(self, sid, st, index) -> bytes:
         dev = st.devices[index]
@@ -238,7 +244,7 @@ class DataClient:
             if len(payload) != st.frag_len:
                 raise fr.CorruptFragment("truncated payload")
             fr.check_blocks(table, 0, payload)
-            return payload
+            return payload if isinstance(payload, bytes) else bytes(payload)
         except fr.CorruptFragment as e:
             self._damaged(sid, index, f"corrupt: {e}")
             raise
@@ -247,7 +253,19 @@ class DataClient:
             raise
 
     async def _read_degraded(self, sid, st) -> bytes:
-        """Decode the whole stripe from the first k intact fragments."""
+        """Decode the whole stripe from the first k intact fragments (cached: stripes
+        are immutable, so a decoded stripe stays right until its id is reused, never)."""
+        cached = self._decoded.get(sid)
+        if cached is not None:
+            self._decoded.move_to_end(sid)
+            return cached
+        data = await self._decode_stripe(sid, st)
+        self._decoded[sid] = data
+        if len(self._decoded) > DECODED_CACHE:
+            self._decoded.popitem(last=False)
+        return data
+
+    async def _decode_stripe(self, sid, st) -> bytes:
         self.stats["degraded_reads"] += 1
         k = st.k
         got: dict[int, bytes] = {}

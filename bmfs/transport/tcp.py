@@ -73,7 +73,9 @@ class TcpTransport:
                 conn = node.idle.pop() if node.idle else await self._connect(node)
                 await conn.send(req, parts)
                 resp, payload = await conn.recv(pb.Response)
-                payload = bytes(payload) if payload else b""
+                # the payload view points into the connection's buffer, which the next
+                # request reuses: one copy here, and slices of it (memoryviews) after
+                payload = memoryview(bytes(payload)) if payload else memoryview(b"")
         except (OSError, EOFError, ProtocolError, trio.TooSlowError) as e:
             if conn is not None:
                 conn.close()
@@ -108,7 +110,7 @@ class TcpTransport:
         node.latency = 0.8 * node.latency + 0.2 * (time.monotonic() - t0)
         out, pos = [], 0
         for n in resp.lengths:
-            out.append(payload[pos:pos + n])
+            out.append(payload[pos:pos + n])  # views: no copy
             pos += n
         return out
 

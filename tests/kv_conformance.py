@@ -109,5 +109,35 @@ async def check_large_and_many(kv):
     await kv.sync()
 
 
+async def check_error_on_stale_reads_is_retried(kv):
+    """An error raised by a transaction body stands only if what it read is still
+    current: here the first run reads ``a`` and, after a concurrent commit changes it,
+    raises; the second run must happen and succeed."""
+    t = kv.begin()
+    t.put(b"a", b"1")
+    await kv.commit(t)
+    runs = []
+
+    async def body(txn):
+        runs.append(await txn.get(b"a"))
+        if len(runs) == 1:
+            other = kv.begin()
+            other.put(b"a", b"2")
+            await kv.commit(other)
+            raise ValueError("a verdict on a state that no longer is")
+        txn.put(b"b", runs[-1])
+    await kv.transact(body)
+    assert runs == [b"1", b"2"] and await kv.get(b"b") == b"2"
+
+    async def fails(txn):  # an error on reads that are still current stands
+        await txn.get(b"a")
+        raise ValueError("genuine")
+    try:
+        await kv.transact(fails)
+        raise AssertionError("the error was swallowed")
+    except ValueError as e:
+        assert str(e) == "genuine"
+
+
 CHECKS = [check_basic, check_txn_sees_own_writes, check_conflict, check_transact_counter,
-          check_large_and_many]
+          check_large_and_many, check_error_on_stale_reads_is_retried]

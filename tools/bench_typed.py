@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark typed views (a benchmark, not a test: it prints numbers and ratios).
 
-    tools/bench_typed.py --dir DIR [--compare-dir DIR2] [--cold]
+    tools/bench_typed.py --dir DIR [--compare-dir DIR2] [--cold] [--json FILE]
 
 1. Iterate N small protobuf records (default 1,000,000) three ways:
    - bmfs.typed.mmap of one record file (each record parsed from its slice on access);
@@ -19,6 +19,7 @@ everything else on the machine for a moment). RssAnon growth is the anonymous me
 method leaves the process with while it runs; mapped file pages are not in it.
 """
 import argparse
+import json
 import os
 import random
 import shutil
@@ -43,6 +44,8 @@ def main(argv=None):
     p.add_argument("--array-mib", type=int, default=1024)
     p.add_argument("--cold", action="store_true", help="drop page caches before reads")
     p.add_argument("--keep", action="store_true", help="keep the files written")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write the timings as JSON (tools/bench reads it)")
     args = p.parse_args(argv)
     work = os.path.join(args.dir, f"bench-typed-{os.getpid()}")
     os.makedirs(work)
@@ -54,7 +57,18 @@ def main(argv=None):
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        RESULTS["params"] = {"records": args.records, "files": min(args.files, args.records),
+                             "random": args.random, "array_mib": args.array_mib,
+                             "cold": args.cold, "dir": args.dir,
+                             "compare_dir": args.compare_dir,
+                             "protobuf": protobuf_version(), "numpy": np.__version__}
+        with open(args.json, "w") as f:
+            json.dump(RESULTS, f, indent=2)
     return 0
+
+
+RESULTS = {}  # what --json writes: seconds per phase
 
 
 def protobuf_version():
@@ -135,6 +149,7 @@ def bench_records(work, args):
         recs.close()
     assert total == n * (n - 1) // 2
     mmap_s = t.seconds
+    RESULTS["iter_mmap_s"] = t.seconds
     line("bmfs.typed.mmap, iterate all", t.seconds, n, extra=f"RssAnon {t.rss:+.1f} MiB")
 
     drop_caches(args)
@@ -144,6 +159,7 @@ def bench_records(work, args):
             with open(os.path.join(files_dir, f"{i // 1000:04d}", f"{i:07d}.pb"), "rb") as f:
                 total += Sample.FromString(f.read()).id
     files_s = t.seconds * n / nfiles
+    RESULTS["iter_files_s"] = t.seconds  # for nfiles files, not scaled
     line(f"one file per message ({nfiles:,} files, x{n / nfiles:g})", files_s, n,
          extra=f"RssAnon {t.rss:+.1f} MiB")
 
@@ -155,6 +171,7 @@ def bench_records(work, args):
         for m in everything.samples:
             total += m.id
     whole_s = t.seconds
+    RESULTS["iter_whole_s"] = t.seconds
     line("read whole file + parse all (SampleList)", t.seconds, n,
          extra=f"RssAnon {t.rss:+.1f} MiB (holds all {n:,})")
     del everything
@@ -174,6 +191,7 @@ def bench_records(work, args):
         recs.close()
     assert total == sum(picks)
     mmap_s = t.seconds
+    RESULTS["random_mmap_s"] = t.seconds
     line("bmfs.typed.mmap (open + index + parse)", t.seconds, k,
          extra=f"(open and verify the index: {opened * 1e3:.1f} ms)")
     drop_caches(args)
@@ -182,6 +200,7 @@ def bench_records(work, args):
             with open(os.path.join(files_dir, f"{i // 1000:04d}", f"{i:07d}.pb"), "rb") as f:
                 Sample.FromString(f.read())
     line("one file per message", t.seconds, k)
+    RESULTS["random_files_s"] = t.seconds
     print(f"  ratio: mmap is {t.seconds / mmap_s:.1f}x one-file-per-message")
 
 
@@ -202,6 +221,7 @@ def bench_numpy(args):
                 out.flush()
                 del out
             line(f"write  {d}", t.seconds, nbytes, unit="B")
+            write_s = t.seconds
             drop_caches(args)
             with Timer() as t:
                 arr = typed.mmap(path)
@@ -210,6 +230,9 @@ def bench_numpy(args):
             assert total == nbytes // 4
             line(f"mmap + sum  {d}", t.seconds, nbytes, unit="B")
             results.append(t.seconds)
+            RESULTS.setdefault("numpy", []).append({"dir": d, "bytes": nbytes,
+                                                    "write_s": write_s,
+                                                    "read_s": t.seconds})
         finally:
             if os.path.exists(path):
                 os.remove(path)

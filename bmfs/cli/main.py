@@ -61,4 +61,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m bmfs.cli.main` (the mount daemon, mount.fuse.bmfs, tests): run the
+    # imported module's main, whose except clauses name the UserError the commands raise
+    # (this __main__ copy has its own class of that name, which they never raise)
+    from bmfs.cli.main import main as _main
+    _main()

@@ -2,24 +2,41 @@
 
 ``bmfs mount`` runs this in a detached child process and waits for it to report
 ready (or an error, which it prints as one line). The child logs to
-``<volume>/mount.log`` and records its pid in ``<volume>/mount.pid``.
+``<volume>/mount.log`` and records its pid in ``<volume>/mounts/<mount point>.pid``
+(several mounts of one etcd volume each have theirs) and in ``<volume>/mount.pid``
+(the last mount's, for single-mount tools).
+
+Besides serving FUSE the daemon runs: garbage collection of unreferenced stripes;
+on etcd volumes, the watch that keeps the kernel's caches coherent with other mounts
+(vfs/watch.py), this mount's leased presence record and a sweep freeing files that
+dead mounts held unlinked-but-open (vfs/session.py).
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import urllib.parse
 
 import pyfuse3
 import trio
 
 from ..config import MountOptions
+from ..errors import FsError
+from ..vfs import session
 from ..vfs.fs import FileSystem
 from ..vfs.volume import Volume
+from ..vfs.watch import Watcher
 from .ops import Operations
 
 log = logging.getLogger(__name__)
 GC_INTERVAL = 5.0
+
+
+def pid_file(volume_path: str, mountpoint: str) -> str:
+    """Where the daemon serving ``mountpoint`` records its pid."""
+    name = urllib.parse.quote(os.path.abspath(mountpoint), safe="") + ".pid"
+    return os.path.join(volume_path, "mounts", name)
 
 
 async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=None) -> None:
@@ -35,12 +52,15 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
         if opts.allow_other:
             fuse_options.add("allow_other")
         pyfuse3.init(ops, mountpoint, fuse_options)
+        pidfiles = [pid_file(volume_path, mountpoint), os.path.join(volume_path, "mount.pid")]
         try:
-            with open(os.path.join(volume_path, "mount.pid"), "w") as f:
-                f.write(f"{os.getpid()} {os.path.abspath(mountpoint)}\n")
-            if ready:
-                ready(None)
             async with trio.open_nursery() as nursery:
+                # before the first request: other mounts' changes from now on are seen
+                await nursery.start(Watcher(fs).run)
+                await nursery.start(session.keep_alive, fs, mountpoint)
+                _write_pid(pidfiles, mountpoint)
+                if ready:
+                    ready(None)
                 nursery.start_soon(_gc_loop, fs)
                 nursery.start_soon(_signals)
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
@@ -48,20 +68,42 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
         finally:
             pyfuse3.close(unmount=True)
             await fs.aclose()
-            try:
-                os.unlink(os.path.join(volume_path, "mount.pid"))
-            except OSError:
-                pass
+            _remove_pid(pidfiles)
     finally:
         await volume.aclose()
 
 
+def _write_pid(paths: list[str], mountpoint: str) -> None:
+    os.makedirs(os.path.dirname(paths[0]), exist_ok=True)
+    for path in paths:
+        with open(path, "w") as f:
+            f.write(f"{os.getpid()} {os.path.abspath(mountpoint)}\n")
+
+
+def _remove_pid(paths: list[str]) -> None:
+    """Remove the pid files that still name this process (another mount of the
+    volume may have taken over mount.pid)."""
+    for path in paths:
+        try:
+            with open(path) as f:
+                mine = f.read().split()[:1] == [str(os.getpid())]
+            if mine:
+                os.unlink(path)
+        except OSError:
+            pass
+
+
 async def _gc_loop(fs):
+    shared = hasattr(fs.kv, "grant_lease")  # other mounts may die holding orphans
     while True:
         await trio.sleep(GC_INTERVAL)
         try:
             await fs.volume.record_damage()
             await fs.volume_gc()
+            if shared:
+                await session.sweep_orphans(fs)
+        except FsError as e:  # e.g. the metadata store is unreachable: no traceback
+            log.warning("garbage collection failed (%s); will retry", e)
         except Exception:
             log.exception("garbage collection failed; will retry")
 

@@ -10,13 +10,14 @@ import errno
 import functools
 import logging
 import os
+import stat
 
 import pyfuse3
 import trio
 
 from ..errors import FsError
 from ..vfs.fs import Attr
-from ..vfs.views import CTL_FILE
+from ..vfs.views import CTL_FILE, VIEW_SHIFT
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ def translate(fn):
         try:
             return await fn(*args, **kw)
         except FsError as e:
+            if e.errno == errno.EIO:  # the metadata store or devices failed: say why
+                log.warning("%s: %s", fn.__name__, e)
             raise pyfuse3.FUSEError(e.errno)
         except pyfuse3.FUSEError:
             raise
@@ -60,7 +63,8 @@ def translate(fn):
 
 
 class KernelNotifier:
-    """Tells the kernel to forget cached data when a tree changes under it (merge, reset).
+    """Tells the kernel to forget cached data when a tree changes under it (merge, reset,
+    another mount's change seen by the watch, a file changed elsewhere found at open).
 
     With the writeback cache the kernel keeps its own size of a cached regular file
     and ignores the size in our replies, so invalidating attributes is not enough:
@@ -68,16 +72,42 @@ class KernelNotifier:
     inode once nobody holds it open, and the next lookup sees the new state. The
     calls run in a worker thread: the kernel may need this daemon to answer other
     requests before it can drop pages, so the event loop must keep running.
+
+    It also counts the kernel's lookups of each inode (replies that hand one out, minus
+    FUSE forgets), so it knows which inodes the kernel holds, and tells ``files`` (the
+    vfs's open files: close-to-open bookkeeping) when the kernel got or dropped one.
     """
 
-    def __init__(self):
+    def __init__(self, files=None):
+        self.files = files
         self.names: dict[int, set[tuple[int, bytes]]] = {}  # names the kernel holds
+        self.lookups: dict[int, int] = {}                   # the kernel's lookup counts
+        self.dirs: set[int] = set()
+        self._retried: dict[int, tuple] = {}  # inode -> staleness answered ESTALE
 
-    def saw(self, parent: int, name: bytes, fino: int) -> None:
-        self.names.setdefault(fino, set()).add((parent, name))
+    def saw(self, parent: int, name: bytes, a: Attr) -> None:
+        """A reply gave the kernel ``a.ino`` under ``parent/name`` (one lookup)."""
+        self.names.setdefault(a.ino, set()).add((parent, name))
+        self.lookups[a.ino] = self.lookups.get(a.ino, 0) + 1
+        if stat.S_ISDIR(a.mode):
+            self.dirs.add(a.ino)
+        if self.files is not None:
+            self.files.client_saw(a.ino, a.mode, a.size, a.mtime_ns, a.ctime_ns)
 
-    def forget(self, fino: int) -> None:
+    def forget(self, fino: int, nlookup: int) -> None:
+        left = self.lookups.get(fino, 0) - nlookup
+        if left > 0:
+            self.lookups[fino] = left
+            return
+        self.lookups.pop(fino, None)
         self.names.pop(fino, None)
+        self.dirs.discard(fino)
+        if self.files is not None:
+            self.files.client_forgot(fino)
+
+    def holds(self, fino: int) -> bool:
+        """Whether the kernel may cache ``fino`` (the root it holds without a lookup)."""
+        return fino in self.lookups or fino == pyfuse3.ROOT_INODE
 
     async def inode(self, fino: int) -> None:
         await trio.to_thread.run_sync(self._call, pyfuse3.invalidate_inode, fino)
@@ -87,12 +117,84 @@ class KernelNotifier:
     async def entry(self, parent: int, name: bytes) -> None:
         await trio.to_thread.run_sync(self._call, pyfuse3.invalidate_entry, parent, name)
 
+    async def invalidate(self, inodes: dict[int, bool], entries: set[tuple[int, bytes]]) -> None:
+        """Forget the attributes and pages of ``inodes`` (and, where the value is True,
+        every name the kernel holds for the inode, to evict it) and the names in
+        ``entries``, in one worker-thread call. What the kernel does not hold is skipped."""
+        todo = [f for f in inodes if self.holds(f)]
+        names = {(p, n) for p, n in entries if self.holds(p)}
+        for f in todo:
+            if inodes[f]:
+                names |= self.names.get(f, set())
+        if todo or names:
+            await trio.to_thread.run_sync(self._many, todo, sorted(names))
+
+    async def invalidate_view(self, view_id: int | None) -> None:
+        """Everything the kernel holds of one view (None: of every view)."""
+        finos = [f for f in self.lookups
+                 if view_id is None or f >> VIEW_SHIFT == view_id]
+        if view_id is None or view_id == 0:
+            finos.append(pyfuse3.ROOT_INODE)
+        # a directory's own names are dropped only for a replaced tree (see watch.py)
+        await self.invalidate({f: view_id is not None or f not in self.dirs for f in finos},
+                              set())
+
+    async def opened(self, fino: int, stale: tuple[int | None, int] | None, tail) -> bool:
+        """A file is being opened; ``stale`` (from the vfs, ``Files.client_stale``) says
+        whether another mount changed it since the kernel got it: ``(the kernel's size,
+        or None if unknown, the stored size)``. Returns whether the kernel is now in
+        step (the open drops its pages itself, with keep_cache off).
+
+        A file that grew: its size is pushed to the kernel (``resync``). One that
+        shrank: the kernel cannot be told a smaller size, so its names are dropped and
+        the open answered ESTALE, once: the kernel walks the path again, and the inode,
+        evicted unless something else holds it, is looked up afresh.
+
+        Raises:
+            FUSEError(ESTALE): to make the kernel retry the open, as above.
+        """
+        retried = self._retried.pop(fino, None)
+        if stale is None:
+            return False
+        if stale[0] is not None and stale[1] < stale[0] and retried != stale:
+            await self.invalidate({}, self.names.get(fino, set()))
+            self._retried[fino] = stale
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        return await self.resync(fino, *stale, tail)
+
+    async def resync(self, fino: int, kernel_size: int | None, size: int, tail) -> bool:
+        """Another mount changed a file this kernel caches (found at open).
+
+        The kernel keeps its own size of a cached file; a size can only be pushed up,
+        by storing data past it: the last page of the file (read with ``await
+        tail(offset, length)``) is stored, which moves the kernel's size to ``size`` if
+        it was smaller. The names are dropped too, so the inode is read afresh once
+        nobody holds it. Returns whether the kernel's size is now right: a file that
+        shrank keeps its old size in this kernel while it stays held (docs/etcd.md).
+        """
+        fixed = kernel_size is not None and size == kernel_size
+        if size > 0 and (kernel_size is None or size > kernel_size):
+            start = (size - 1) // 4096 * 4096
+            data = await tail(start, size - start)
+            if len(data) == size - start:
+                fixed = await trio.to_thread.run_sync(self._call, pyfuse3.notify_store,
+                                                      fino, start, data)
+        await self.invalidate({}, self.names.get(fino, set()))
+        return fixed
+
+    def _many(self, inodes, entries) -> None:
+        for f in inodes:
+            self._call(pyfuse3.invalidate_inode, f)
+        for parent, name in entries:
+            self._call(pyfuse3.invalidate_entry, parent, name)
+
     @staticmethod
-    def _call(fn, *args):
+    def _call(fn, *args) -> bool:
         try:
             fn(*args)
+            return True
         except (OSError, pyfuse3.FUSEError):
-            pass  # the kernel did not know it: nothing to drop
+            return False  # the kernel did not know it: nothing to drop
 
 
 class Operations(pyfuse3.Operations):
@@ -101,7 +203,7 @@ class Operations(pyfuse3.Operations):
     def __init__(self, fs, timeout: float = 1.0):
         super().__init__()
         self.fs = fs
-        self.notifier = fs.notify = KernelNotifier()
+        self.notifier = fs.notify = KernelNotifier(fs.files)
         self.timeout = timeout
         self.supports_dot_lookup = True
         self.enable_acl = False
@@ -117,7 +219,7 @@ class Operations(pyfuse3.Operations):
         return self._named(parent_inode, name, await self.fs.lookup(parent_inode, name))
 
     def _named(self, parent: int, name: bytes, a: Attr) -> pyfuse3.EntryAttributes:
-        self.notifier.saw(parent, name, a.ino)
+        self.notifier.saw(parent, name, a)
         return self._e(a)
 
     @translate
@@ -175,14 +277,31 @@ class Operations(pyfuse3.Operations):
     async def link(self, inode, new_parent_inode, new_name, ctx):
         return self._named(new_parent_inode, new_name, await self.fs.link(inode, new_parent_inode, new_name))
 
+    def _kernel_flags(self, flags: int) -> int:
+        # With the writeback cache the kernel implements O_APPEND itself and writes back
+        # whole pages at their own offsets (through any writable handle): appending again
+        # here would move that data to the end of the file.
+        return flags & ~os.O_APPEND if self.enable_writeback_cache else flags
+
     @translate
     async def open(self, inode, flags, ctx):
-        fh = await self.fs.open(inode, flags)
-        return pyfuse3.FileInfo(fh=fh, direct_io=inode == CTL_FILE, keep_cache=inode != CTL_FILE)
+        fh = await self.fs.open(inode, self._kernel_flags(flags))
+        if inode == CTL_FILE:
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
+        stale = self.fs.files.client_stale(fh)  # changed by another mount (close-to-open)
+        try:
+            if await self.notifier.opened(inode, stale,
+                                          lambda off, n: self.fs.files.read(fh, off, n)):
+                self.fs.files.client_resynced(fh)
+        except BaseException:
+            await self.fs.files.release(fh)
+            raise
+        return pyfuse3.FileInfo(fh=fh, keep_cache=stale is None)
 
     @translate
     async def create(self, parent_inode, name, mode, flags, ctx):
-        fh, a = await self.fs.create_file(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        fh, a = await self.fs.create_file(parent_inode, name, mode, self._kernel_flags(flags),
+                                          ctx.uid, ctx.gid)
         return pyfuse3.FileInfo(fh=fh), self._named(parent_inode, name, a)
 
     @translate
@@ -236,7 +355,7 @@ class Operations(pyfuse3.Operations):
                 continue  # removed since opendir
             if not pyfuse3.readdir_reply(token, name, self._e(a), i + 1):
                 break
-            self.notifier.saw(self._dir_ino.get(fh, 0), name, a.ino)
+            self.notifier.saw(self._dir_ino.get(fh, 0), name, a)
 
     async def releasedir(self, fh):
         self._dirs.pop(fh, None)
@@ -275,8 +394,8 @@ class Operations(pyfuse3.Operations):
         await self.fs.removexattr(inode, name)
 
     async def forget(self, inode_list):
-        for fino, _ in inode_list:
-            self.notifier.forget(fino)
+        for fino, nlookup in inode_list:
+            self.notifier.forget(fino, nlookup)
 
 
 __all__ = ["Operations", "os"]

@@ -103,16 +103,44 @@ class KV(abc.ABC):
 
         ``fn`` must not have side effects outside the transaction (it may run several
         times). Raises Unavailable if it keeps conflicting.
+
+        If ``fn`` raises, its reads may not have been one consistent state (with
+        several writers, another commit can land between two reads): the error stands
+        only if every key read still has the revision seen; otherwise it was a
+        conflict, and ``fn`` runs again.
         """
         for attempt in range(attempts):
             txn = self.begin()
-            result = await fn(txn)
+            try:
+                result = await fn(txn)
+            except Exception:
+                if not txn.reads or not await self._changed_since(txn):
+                    raise
+                await trio.sleep(random.uniform(0, 0.002 * (attempt + 1)))
+                continue
             try:
                 await self.commit(txn)
                 return result
             except Conflict:
                 await trio.sleep(random.uniform(0, 0.002 * (attempt + 1)))
         raise Unavailable("metadata transaction kept conflicting")
+
+    async def _changed_since(self, txn: "Txn") -> bool:
+        """Whether a key ``txn`` read has changed since (False if that cannot be told)."""
+        if self.single_writer and txn.epoch == self.commits:
+            return False
+        try:
+            return await self._stale(txn.reads)
+        except Exception:  # noqa: BLE001 - the store failed: let the original error stand
+            return False
+
+    async def _stale(self, reads: dict[bytes, int]) -> bool:
+        """Whether a key in ``reads`` no longer has the given revision. Engines may do
+        this in one request (etcd: a transaction of compares only)."""
+        for key, rev in reads.items():
+            if (await self._get(key))[1] != rev:
+                return True
+        return False
 
 
 class Txn:

@@ -39,7 +39,18 @@ increment was lost. A watch on a member cut off from the quorum ends after about
 
 Deployment needs: etcd's ``--max-txn-ops`` (default 128) bounds the operations of one
 transaction (compares and puts, plus one for the request id) and ``--max-request-bytes``
-(1.5 MiB) its size; bmfs test clusters run with ``--max-txn-ops 4096``.
+(1.5 MiB) its size; run etcd with ``--max-txn-ops 10000 --max-request-bytes 10485760``
+(bmfs/cluster/etcd.py does). A transaction over either limit fails at once with
+IOFailure (EIO) naming the flag to raise, not after the retry timeout.
+
+Own writes: ``watch(..., skip_own=True)`` leaves out the changes this client made
+itself. Each commit notes ``key -> hash(value)`` of its writes before it is sent (a
+watch event can arrive before the commit's answer) and forgets them if it fails; an
+event that matches a note is dropped and consumes it. A change by someone else that
+writes the very same value to the same key while a note is pending is dropped too;
+in bmfs (values carry nanosecond times and unique ids) that takes two mounts racing
+to make the same change, e.g. both deleting one name, where the one whose note it is
+fails; the kernel's cache timeouts bound the harm.
 """
 from __future__ import annotations
 
@@ -73,6 +84,21 @@ def _rows(data: dict) -> list[tuple[bytes, bytes, int]]:
             for kv in data.get("kvs", ())]
 
 
+def _too_big(msg: str) -> str:
+    """The hint for an answer saying a request exceeds an etcd limit ("" if it does not).
+
+    These come as gRPC ResourceExhausted (HTTP 429), which otherwise means "retry
+    later": retrying a request that is too big would only wait out the timeout.
+    """
+    if "too many operations" in msg:
+        return (" (a metadata transaction with more operations than etcd allows: "
+                "start etcd with a larger --max-txn-ops, e.g. 10000)")
+    if "larger than max" in msg or "request is too large" in msg:
+        return (" (a metadata transaction larger than etcd accepts: start etcd with a "
+                "larger --max-request-bytes, e.g. 10485760)")
+    return ""
+
+
 class _Retry(Exception):
     """An endpoint failed in a way another endpoint, or a later try, may not."""
 
@@ -97,6 +123,9 @@ class EtcdKV(KV):
         self._lease_lock = trio.Lock()
         self.commits = 0    # statistics: transactions applied
         self.failovers = 0  # statistics: moves to the next endpoint
+        # key -> hash(value) of writes of this client that no watch has seen yet;
+        # None until a watch with skip_own=True asks for it (see the module doc)
+        self._own: dict[bytes, int] | None = None
 
     @classmethod
     async def create(cls, url: str, *, timeout: float = 10.0, request_timeout: float = 2.0,
@@ -165,12 +194,12 @@ class EtcdKV(KV):
             code, msg = error.get("grpc_code"), error.get("message")
         else:
             code, msg = data.get("code"), data.get("message") or error
-        if status >= 500 or status == 429 or code in _RETRY_CODES:
+        too_big = _too_big(str(msg))
+        if (status >= 500 or status == 429 or code in _RETRY_CODES) and not too_big:
             raise _Retry(f"HTTP {status}: {msg}")
         if code == 5:
             raise NotFound(f"etcd: {msg}")
-        hint = " (raise etcd's --max-txn-ops)" if "too many operations" in str(msg) else ""
-        raise IOFailure(f"etcd {where}: {msg}{hint}")
+        raise IOFailure(f"etcd {where}: {msg}{too_big}")
 
     async def _failover(self, i: int, attempt: int, deadline: float, errors: dict) -> None:
         """Move past failed endpoint ``i``; back off after a full round.
@@ -222,21 +251,40 @@ class EtcdKV(KV):
         ops = [{"request_delete_range": {"key": _b64(k)}} if v is None
                else {"request_put": {"key": _b64(k), "value": _b64(v)}}
                for k, v in writes.items()]
-        lease = None
-        for retry in (False, True):
-            lease = await self._request_lease(stale=lease)
-            body = {"compare": compare, "failure": [{"request_range": {"key": rid}}],
-                    "success": ops + [{"request_put": {"key": rid, "lease": str(lease)}}]}
-            try:
-                data = await self._call("/v3/kv/txn", body)
-                break
-            except NotFound:  # the request-id lease vanished (revoked, restored backup)
-                if retry:
-                    raise
-        if not data.get("succeeded"):  # the gateway omits "succeeded": false
-            if not data["responses"][0]["response_range"].get("kvs"):
-                raise Conflict("etcd: a compared revision changed")
+        own = self._own
+        if own is not None:
+            if len(own) > 100_000:  # notes no watch consumed (e.g. a watch restarted)
+                own.clear()
+            for k, v in writes.items():
+                own[k] = hash(v)
+        try:
+            lease = None
+            for retry in (False, True):
+                lease = await self._request_lease(stale=lease)
+                body = {"compare": compare, "failure": [{"request_range": {"key": rid}}],
+                        "success": ops + [{"request_put": {"key": rid, "lease": str(lease)}}]}
+                try:
+                    data = await self._call("/v3/kv/txn", body)
+                    break
+                except NotFound:  # the request-id lease vanished (revoked, restored backup)
+                    if retry:
+                        raise
+            if not data.get("succeeded"):  # the gateway omits "succeeded": false
+                if not data["responses"][0]["response_range"].get("kvs"):
+                    raise Conflict("etcd: a compared revision changed")
+        except BaseException:
+            if own is not None:  # nothing was written (or, if unknown, let it show)
+                for k, v in writes.items():
+                    if own.get(k) == hash(v):
+                        del own[k]
+            raise
         self.commits += 1
+
+    async def _stale(self, reads):
+        """One etcd Txn of compares only: did any key read change since?"""
+        compare = [{"key": _b64(k), "target": "MOD", "result": "EQUAL", "mod_revision": str(rev)}
+                   for k, rev in reads.items()]
+        return not (await self._call("/v3/kv/txn", {"compare": compare})).get("succeeded")
 
     async def _request_lease(self, stale: int | None = None, timeout: float | None = None) -> int:
         """The lease request ids are attached to: renewed every REQ_TTL/2 s, or if ``stale``.
@@ -301,14 +349,17 @@ class EtcdKV(KV):
 
     # -- watch -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def watch(self, prefix: bytes):
+    async def watch(self, prefix: bytes, end: bytes | None = None, skip_own: bool = False):
         """Changes under ``prefix`` from now on, as ``(key, value or None)`` on a channel::
 
             async with kv.watch(b"n/") as changes:
                 async for key, value in changes: ...
 
-        On failover it reconnects to the next endpoint and resumes after the last
-        change delivered, so no change is lost or repeated.
+        With ``end``, the changes of keys in ``[prefix, end)`` instead (one stream, in
+        revision order). With ``skip_own``, changes committed through this engine
+        object are left out (see the module doc). On failover it reconnects to the
+        next endpoint and resumes after the last change delivered, so no change is
+        lost or repeated.
 
         Raises:
             Unavailable: (from the ``async with``) no endpoint could be watched for
@@ -318,7 +369,9 @@ class EtcdKV(KV):
         send, recv = trio.open_memory_channel(256)
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(self._watch, prefix, send)
+                if skip_own and self._own is None:
+                    self._own = {}
+                await nursery.start(self._watch, prefix, end, skip_own, send)
                 try:
                     yield recv
                 finally:
@@ -328,8 +381,9 @@ class EtcdKV(KV):
                 raise group.exceptions[0] from group.exceptions[0].__cause__
             raise
 
-    async def _watch(self, prefix, send, task_status=trio.TASK_STATUS_IGNORED):
-        req = {"key": _b64(prefix or b"\0"), "range_end": _b64(prefix_end(prefix) or b"\0")}
+    async def _watch(self, prefix, end, skip_own, send, task_status=trio.TASK_STATUS_IGNORED):
+        end = prefix_end(prefix) if end is None else end
+        req = {"key": _b64(prefix or b"\0"), "range_end": _b64(end or b"\0")}
         # hasleader: the member ends the watch if it loses the leader (partitioned)
         headers = {"Grpc-Metadata-hasleader": "true"}
         started, attempt, errors = False, 0, {}
@@ -355,9 +409,13 @@ class EtcdKV(KV):
                                 task_status.started()
                         for ev in res.get("events", ()):
                             kv = ev["kv"]
-                            await send.send((_unb64(kv["key"]), None if ev.get("type") == "DELETE"
-                                             else _unb64(kv.get("value"))))
                             req["start_revision"] = str(int(kv["mod_revision"]) + 1)
+                            key = _unb64(kv["key"])
+                            value = None if ev.get("type") == "DELETE" else _unb64(kv.get("value"))
+                            if skip_own and self._own.get(key, 0) == hash(value) and \
+                                    self._own.pop(key, None) is not None:
+                                continue
+                            await send.send((key, value))
                         if res.get("canceled"):
                             raise _Retry(res.get("cancel_reason") or "watch canceled")
                 errors[ep] = "watch stream ended"

@@ -25,8 +25,12 @@ d/<parent ino:016x>/<name>@L           directory entry: child ino and type
 c/<ino:016x>/<chunk index:010x>@L      slice list of one 64 MiB chunk (records.Slices)
 x/<ino:016x>/<xattr name>@L            extended attribute value
 l/<ino:016x>@L                         symlink target
-o/<layer:08x>/<ino:016x>               inode unlinked while open (freed on release or
-                                       at the next mount after a crash)
+o/<layer:08x>/<ino:016x>               inode unlinked while open: the id of the mount
+                                       holding it (freed on release, or by another
+                                       mount once no m/ key of that id is left)
+m/<mount id>                           JSON record of a running mount (host, pid,
+                                       mount point), attached to an etcd lease: it
+                                       vanishes within seconds of the mount's death
 =====================================  ===============================================
 """
 FORMAT_REVISION = 1
@@ -74,6 +78,10 @@ def damage(sid: int, index: int) -> bytes:
 
 def orphan(lay: int, ino: int) -> bytes:
     return b"o/%08x/%016x" % (lay, ino)
+
+
+def mount(mount_id: str) -> bytes:
+    return b"m/" + mount_id.encode()
 
 
 # -- layered sub-keys (suffix @LAYER added by layers.py) -------------------------------

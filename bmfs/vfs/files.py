@@ -9,11 +9,20 @@ its size and mtime come from memory (``overlay``), so stat sees every write.
 Durability: close() and flush() store the buffered data on the devices and commit
 its metadata (both survive a crash of this process); fsync() also makes the
 fragments and the metadata durable on stable storage.
+
+Close-to-open across mounts (etcd): the kernel's writeback cache keeps its own size
+and times of a cached regular file whatever our replies say. ``client`` records, per
+file the kernel holds, the stored (size, mtime, ctime) the kernel's copy reflects: set
+when the kernel gets the inode, moved on by this mount's own changes, dropped when the
+kernel forgets it. ``open`` compares it with the stored inode; a difference means
+another mount changed the file, and the front end drops the kernel's pages and fixes
+its size (see ``client_stale``).
 """
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 
 import trio
@@ -28,6 +37,10 @@ from .views import INO_MASK, VIEW_SHIFT
 
 log = logging.getLogger(__name__)
 COMPACT_AT = 64  # slices per chunk before dropping shadowed ones
+# Chunks released per transaction when a big file is deleted or cut short: a chunk
+# costs up to ~33 operations (its slice list, and each stripe's record and GC entry),
+# and etcd limits a transaction's operations (--max-txn-ops, docs/etcd.md).
+FREE_BATCH = 64
 
 
 class OpenFile:
@@ -47,10 +60,16 @@ class OpenFile:
 
 
 class Handle:
-    __slots__ = ("of", "flags")
+    __slots__ = ("of", "flags", "stale", "state")
 
     def __init__(self, of, flags):
         self.of, self.flags = of, flags
+        self.stale: tuple[int | None, int] | None = None  # see Files.client_stale
+        self.state: tuple[int, int, int] | None = None    # the stored state at open
+
+
+def _state(i: Inode) -> tuple[int, int, int]:
+    return i.size, i.mtime_ns, i.ctime_ns
 
 
 class Files:
@@ -64,10 +83,30 @@ class Files:
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._sid_next = self._sid_end = 0
+        # (view id, ino) -> stored (size, mtime, ctime) the kernel's inode reflects
+        self.client: dict[tuple[int, int], tuple[int, int, int]] = {}
+        # (view id, ino) -> layer of the o/ record: files this mount unlinked while open
+        # or too big to free in one transaction; freed on release (or at once). Another
+        # mount deletes a file it unlinks at once (it does not know of opens here), so
+        # only these can need freeing at release.
+        self.orphaned: dict[tuple[int, int], int] = {}
 
     # -- bookkeeping ------------------------------------------------------------------------
     def is_open(self, view, ino) -> bool:
         return (view.id, ino) in self.open_files
+
+    @staticmethod
+    def is_big(i: Inode) -> bool:
+        """Too big to free in one transaction: freed through an orphan record, a batch
+        of chunks at a time (see ``_free_if_orphan``)."""
+        return i.is_reg() and i.size > FREE_BATCH * CHUNK_SIZE
+
+    async def free_unlinked(self, view, ino: int) -> None:
+        """Free now a file whose last name went and that is not open here (a big one)."""
+        lay = self.orphaned.get((view.id, ino))
+        if lay is not None and not self.is_open(view, ino):
+            del self.orphaned[(view.id, ino)]
+            await self._free_if_orphan(view, ino, lay)
 
     def overlay(self, view, ino, i: Inode) -> None:
         of = self.open_files.get((view.id, ino))
@@ -75,24 +114,85 @@ class Files:
             i.size = of.size
             i.mtime_ns = i.ctime_ns = of.mtime_ns
 
+    def set_mtime(self, view, ino, mtime_ns: int | None) -> bool:
+        """The kernel's writeback cache sets a file's times once it has written to it:
+        if the file has data buffered here, keep the time for the store that commits
+        the data (rather than a transaction of its own). False if it has none."""
+        of = self.open_files.get((view.id, ino))
+        if mtime_ns is None or of is None or not of.dirty:
+            return False
+        of.mtime_ns = mtime_ns
+        return True
+
     def overlay_update(self, view, ino, i: Inode) -> None:
         """Metadata of an open file changed elsewhere (nothing to do: sizes live in KV)."""
 
-    async def open(self, fino: int, flags: int, created: bool = False) -> int:
+    # -- what the kernel caches (close-to-open; see the module doc) -------------------------
+    def client_saw(self, fino: int, mode: int, size: int, mtime_ns: int, ctime_ns: int) -> None:
+        """The kernel got an inode from a reply (lookup, create, readdirplus). Only the
+        first reply counts: while the kernel holds a regular file it ignores later ones."""
+        if stat.S_ISREG(mode):
+            self.client.setdefault(fino_parts(fino), (size, mtime_ns, ctime_ns))
+
+    def client_forgot(self, fino: int) -> None:
+        """The kernel dropped the inode (FUSE forget brought its lookup count to 0)."""
+        self.client.pop(fino_parts(fino), None)
+
+    def client_stale(self, fh: int) -> tuple[int | None, int] | None:
+        """None if the kernel's cache of the file opened as ``fh`` was up to date at
+        open; else ``(size the kernel may still have, or None if unknown, stored size)``:
+        another mount changed the file since the kernel got it. It stays stale for
+        later opens until the front end calls :meth:`client_resynced`."""
+        return self.handles[fh].stale
+
+    def client_resynced(self, fh: int) -> None:
+        """The kernel's copy of the file opened as ``fh`` now matches the stored state
+        read at open (its pages dropped, its size pushed to the stored one)."""
+        h = self.handles[fh]
+        self.client[(h.of.view.id, h.of.ino)] = h.state
+
+    def client_moved(self, view, ino: int, before: tuple, i: Inode) -> None:
+        """This mount changed the file from ``before`` to ``i``: the kernel did it (or
+        was told), so its copy moves on, unless it was already behind someone else."""
+        key = (view.id, ino)
+        if self.client.get(key) == before:
+            self.client[key] = _state(i)
+
+    async def open(self, fino: int, flags: int, created=None) -> int:
+        """A handle on a file. ``created``: the Attr of the file this mount has just
+        created (nothing to read back)."""
         view, ino = self.fs.split(fino)
-        i = await ns.get_inode(self.kv.begin(), view.chain, ino)
-        if i is None:
-            raise NotFound()
-        if i.is_dir():
-            raise IsDir()
+        if created:
+            state = (created.size, created.mtime_ns, created.ctime_ns)
+        else:
+            i = await ns.get_inode(self.kv.begin(), view.chain, ino)
+            if i is None:
+                raise NotFound()
+            if i.is_dir():
+                raise IsDir()
+            state = _state(i)
+        if not view.writable and (flags & os.O_ACCMODE) != os.O_RDONLY:
+            # refused here: with the writeback cache a write would "succeed" into the
+            # kernel's page cache and fail only at close
+            from ..errors import ReadOnly
+            raise ReadOnly()
         of = self.open_files.get((view.id, ino))
         if of is None:
             of = self.open_files[(view.id, ino)] = OpenFile(view, ino)
+            if created:
+                of.size = created.size
         of.opens += 1
         fh = self._next_fh
         self._next_fh += 1
-        self.handles[fh] = Handle(of, flags)
-        if flags & os.O_TRUNC and not created and (flags & os.O_ACCMODE) != os.O_RDONLY:
+        h = self.handles[fh] = Handle(of, flags)
+        truncating = flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY
+        h.state = state
+        seen = self.client.get((view.id, ino))
+        if seen != h.state and not truncating:  # (an O_TRUNC open resets the kernel too)
+            h.stale = (seen[0] if seen else None, state[0])
+        else:
+            self.client[(view.id, ino)] = h.state
+        if truncating and not created:
             try:
                 await self.truncate(view, ino, 0)
             except BaseException:
@@ -170,9 +270,11 @@ class Files:
         damaged = self.data.needs_repair(st) if st.kind else []
 
         async def fn(txn, chain):
+            nonlocal before
             i = await ns.get_inode(txn, chain, of.ino)
             if i is None:
                 raise NotFound("file deleted during write")
+            before = _state(i)
             txn.put(keys.stripe(sid), st.pack())
             for d in damaged:
                 txn.put(keys.damage(sid, d), b"missing or doubled up at write")
@@ -184,7 +286,9 @@ class Files:
             i.size = max(i.size, end)
             i.mtime_ns = i.ctime_ns = mtime
             await ns.put_inode(txn, chain, of.ino, i)
-        await self.fs.mutate(of.view, fn)
+            return i
+        before = None
+        self.client_moved(of.view, of.ino, before, await self.fs.mutate(of.view, fn))
 
     async def flush(self, fh: int) -> None:
         h = self.handles.get(fh)
@@ -210,32 +314,47 @@ class Files:
             of.opens -= 1
             if of.opens == 0:
                 del self.open_files[(of.view.id, of.ino)]
-                await self._free_if_orphan(of.view, of.ino)
+                await self.free_unlinked(of.view, of.ino)  # if unlinked here while open
 
-    async def _free_if_orphan(self, view, ino) -> None:
+    async def _free_if_orphan(self, view, ino: int, lay: int | None = None) -> None:
+        """Free inode ``ino`` if no name is left, and drop its orphan record (``lay``:
+        the layer it was recorded under). A big file goes a batch of chunks per
+        transaction; if this mount dies half way, another one (or its next mount)
+        finishes the job from the orphan record."""
         if not view.writable:
             return
-        i = await ns.get_inode(self.kv.begin(), view.chain, ino)
-        if i is not None and i.nlink > 0 and \
-                await self.kv.get(keys.orphan(view.chain.top, ino)) is None:
-            return  # the common case: a file with a name, closed
 
         async def fn(txn, chain):
             i = await ns.get_inode(txn, chain, ino)
             if i is not None and i.nlink == 0:
+                idxs = await ns.chunk_indexes(txn, chain, ino)
+                if len(idxs) > FREE_BATCH:
+                    for idx in idxs[-FREE_BATCH:]:
+                        await ns.put_chunk(txn, chain, ino, idx, [])
+                    return False
                 await ns.delete_inode(txn, chain, ino, i)
-            txn.delete(keys.orphan(chain.top, ino))
-        await self.fs.mutate(view, fn)
+            txn.delete(keys.orphan(chain.top if lay is None else lay, ino))
+            return True
+        while not await self.fs.mutate(view, fn):
+            pass
 
     async def reap_orphans(self, view) -> int:
-        """Free inodes unlinked while open by a mount that then died."""
+        """Free inodes unlinked while open by a mount that then died.
+
+        An orphan record names the mount holding the inode; one whose mount still has
+        its leased ``m/`` record (another live mount of an etcd volume) is left alone.
+        """
         n = 0
         prefix = b"o/"
-        for k, _ in await self.kv.range(prefix, prefix + b"\xff"):
+        for k, owner in await self.kv.range(prefix, prefix + b"\xff"):
             lay, ino = (int(x, 16) for x in k[2:].split(b"/"))
-            if lay in view.chain.layers:
-                await self._free_if_orphan(view, ino)
-                n += 1
+            if lay not in view.chain.layers or (view.id, ino) in self.open_files:
+                continue
+            if owner and owner.decode() != self.fs.mount_id and \
+                    await self.kv.get(keys.mount(owner.decode())) is not None:
+                continue
+            await self._free_if_orphan(view, ino, lay)
+            n += 1
         return n
 
     async def close_all(self) -> None:
@@ -254,17 +373,27 @@ class Files:
         return await self._truncate(view, ino, size, mtime_ns, ctime_ns)
 
     async def _truncate(self, view, ino, size, mtime_ns, ctime_ns):
+        before = None
+
         async def fn(txn, chain):
+            nonlocal before
             i = await ns.get_inode(txn, chain, ino)
             if i is None:
                 raise NotFound()
             if i.is_dir():
                 raise IsDir()
+            before = _state(i)
             if size < i.size:
                 last = (size + CHUNK_SIZE - 1) // CHUNK_SIZE  # first chunk wholly beyond
-                for idx in await ns.chunk_indexes(txn, chain, ino):
-                    if idx >= last:
+                beyond = [x for x in await ns.chunk_indexes(txn, chain, ino) if x >= last]
+                if len(beyond) > FREE_BATCH:
+                    # a big cut: whole chunks past the new end go a batch per transaction
+                    # (the size changes in the last one; meanwhile they read as holes)
+                    for idx in beyond[-FREE_BATCH:]:
                         await ns.put_chunk(txn, chain, ino, idx, [])
+                    return None
+                for idx in beyond:
+                    await ns.put_chunk(txn, chain, ino, idx, [])
                 if size % CHUNK_SIZE:
                     idx = size // CHUNK_SIZE
                     slices = await ns.get_chunk(txn, chain, ino, idx)
@@ -277,7 +406,9 @@ class Files:
             i.ctime_ns = ctime_ns if ctime_ns is not None else now
             await ns.put_inode(txn, chain, ino, i)
             return i
-        i = await self.fs.mutate(view, fn)
+        while (i := await self.fs.mutate(view, fn)) is None:
+            pass
+        self.client_moved(view, ino, before, i)
         from .fs import _attr
         return _attr(self.fs.join(view, ino), i)
 

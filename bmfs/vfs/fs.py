@@ -10,6 +10,7 @@ metadata transaction (retried on conflict); file data goes through files.py.
 from __future__ import annotations
 
 import json
+import os
 import stat
 import time
 from dataclasses import dataclass
@@ -66,6 +67,9 @@ class FileSystem:
         self.notify = None   # set by the front end: async inode(fino), entry(parent, name)
         self._ino_next = self._ino_end = 0
         self._start = time.time_ns()
+        # names this mount in orphan records (o/) and, on etcd, in its leased m/ record
+        self.mount_id = os.urandom(8).hex()
+        self._heads: dict[str, tuple[int, int]] = {}  # branch -> (head, record revision)
 
     @classmethod
     async def create(cls, volume, branch: str = "main") -> "FileSystem":
@@ -95,17 +99,34 @@ class FileSystem:
     async def mutate(self, view, fn):
         """Run ``fn(txn, chain)`` as one transaction on a writable view, retrying on conflict.
 
-        The branch record is read first, so a branch operation that moved the head
-        makes a concurrent mutation conflict and retry on the new chain.
+        The branch record is part of every transaction, so a branch operation that
+        moved the head makes a concurrent mutation conflict and retry on the new chain.
+        It is not read each time: the first attempt compares the revision it had when
+        last read (``txn.reads``, as if read then), saving a round trip to the store.
+        If the head has moved, that attempt conflicts (or, if ``fn`` raised, the error
+        is found to rest on stale reads: see ``KV.transact``) and the next one reads
+        the record afresh.
         """
         if not view.writable:
             raise ReadOnly(f"snapshot {view.name!r} is read-only")
+        key = keys.branch(view.name)
+        attempts = 0
 
         async def body(txn):
-            raw = await txn.get(keys.branch(view.name))
-            if raw is None:
-                raise NotFound(f"branch {view.name!r} was deleted")
-            head = json.loads(raw)["head"]
+            nonlocal attempts
+            attempts += 1
+            known = self._heads.get(view.name)
+            # (not if the view has moved on, e.g. refreshed by the watch; nor with an
+            # engine that skips the compares when it alone wrote)
+            if (attempts == 1 and known is not None and known[0] == view.chain.top
+                    and not getattr(self.kv, "single_writer", False)):
+                head, txn.reads[key] = known
+            else:
+                raw = await txn.get(key)
+                if raw is None:
+                    raise NotFound(f"branch {view.name!r} was deleted")
+                head = json.loads(raw)["head"]
+                self._heads[view.name] = (head, txn.reads[key])
             if head != view.chain.top:
                 view.chain = await self.views.chain_from(head, view.name)
             return await fn(txn, view.chain)
@@ -278,9 +299,10 @@ class FileSystem:
         i.ctime_ns = now
         if i.nlink > 0:
             await ns.put_inode(txn, chain, ino, i)
-        elif self.files.is_open(view, ino):
+        elif self.files.is_open(view, ino) or self.files.is_big(i):
             await ns.put_inode(txn, chain, ino, i)
-            txn.put(keys.orphan(chain.top, ino), b"")
+            txn.put(keys.orphan(chain.top, ino), self.mount_id.encode())
+            self.files.orphaned[(view.id, ino)] = chain.top  # (harmless if this try fails)
         else:
             await ns.delete_inode(txn, chain, ino, i)
 
@@ -324,6 +346,7 @@ class FileSystem:
             return ino, i
         ino, i = await self.mutate(view, fn)
         self.files.overlay_update(view, ino, i)
+        await self.files.free_unlinked(view, ino)  # a big file: a batch at a time
 
     async def rename(self, p1: int, n1: bytes, p2: int, n2: bytes, flags: int = 0) -> None:
         check_name(n2)
@@ -400,6 +423,7 @@ class FileSystem:
         res = await self.mutate(view, fn)
         if res and res[0] is not None:
             self.files.overlay_update(view, res[0], res[1])
+            await self.files.free_unlinked(view, res[0])
 
     async def _check_not_ancestor(self, txn, chain, dir_ino: int, target_parent: int):
         """EINVAL if ``target_parent`` is ``dir_ino`` or inside it."""
@@ -422,9 +446,16 @@ class FileSystem:
         view, ino = self.split(fino)
         if size is not None:
             return await self.files.truncate(view, ino, size, mtime_ns, ctime_ns)
+        if mode is None and uid is None and gid is None and atime_ns is None and \
+                self.files.set_mtime(view, ino, mtime_ns):
+            return await self.getattr(fino)  # (the next store commits it)
+
+        before = None
 
         async def fn(txn, chain):
+            nonlocal before
             i = await self._get(txn, chain, ino)
+            before = (i.size, i.mtime_ns, i.ctime_ns)
             if mode is not None:
                 i.mode = stat.S_IFMT(i.mode) | (mode & 0o7777)
             if uid is not None:
@@ -440,7 +471,9 @@ class FileSystem:
             return i
         i = await self.mutate(view, fn)
         self.files.overlay_update(view, ino, i)
-        return await self.getattr(fino)
+        self.files.client_moved(view, ino, before, i)
+        self.files.overlay(view, ino, i)
+        return _attr(fino, i)
 
     # -- xattrs -----------------------------------------------------------------------------
     @staticmethod
@@ -506,7 +539,7 @@ class FileSystem:
     # -- files: delegated to files.py -------------------------------------------------------
     async def create_file(self, parent, name, mode, flags, uid, gid):
         a = await self._make(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid)
-        fh = await self.files.open(a.ino, flags, created=True)
+        fh = await self.files.open(a.ino, flags, created=a)
         return fh, a
 
     async def open(self, fino: int, flags: int) -> int:

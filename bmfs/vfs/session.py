@@ -1,0 +1,81 @@
+"""A mount's presence in the metadata: a leased ``m/<mount id>`` record (etcd only).
+
+Several mounts share an etcd volume, and each may hold files that were unlinked while
+open (orphan records ``o/``, naming the mount). Another mount must not free those while
+their holder lives, and must free them once it has died. So each mount puts a record
+under ``m/<mount id>`` attached to an etcd lease of :data:`TTL` seconds and renews the
+lease every ``TTL / 3`` s; if the mount dies, etcd deletes the record when the lease
+runs out, and the next orphan sweep of any live mount (every few seconds, see
+fuse/mount.py) frees its orphans. Engines without leases (memory, sqlite) have a single
+owner, which frees leftover orphans when it mounts.
+
+Caveat: if etcd is unreachable for longer than the TTL, the lease expires while the
+mount lives; the record is put again as soon as etcd answers, but in between another
+mount may free a file this mount holds unlinked-but-open.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+
+import trio
+
+from ..errors import FsError, NotFound
+from ..meta import keys
+
+log = logging.getLogger(__name__)
+TTL = 10
+
+
+async def keep_alive(fs, mountpoint: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Hold this mount's ``m/`` record until cancelled, then revoke it.
+
+    Returns at once (started) for engines without leases. Run it with ``await
+    nursery.start(keep_alive, fs, mountpoint)``.
+    """
+    kv = fs.kv
+    if not hasattr(kv, "grant_lease"):
+        task_status.started()
+        return
+    record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                         "mountpoint": os.path.abspath(mountpoint),
+                         "started": time.time()}).encode()
+    lease = None
+    put = started = False
+    try:
+        while True:
+            try:
+                if lease is None:
+                    lease, put = await kv.grant_lease(TTL), False
+                if put:
+                    await kv.keepalive(lease)
+                else:
+                    await kv.put_with_lease(keys.mount(fs.mount_id), record, lease)
+                    put = True
+            except NotFound:
+                log.warning("the lease of this mount's record expired (etcd unreachable "
+                            "for over %d s?); putting it again", TTL)
+                lease = None
+                continue
+            except FsError as e:
+                log.warning("could not renew this mount's record: %s", e)
+            if not started:
+                started = True
+                task_status.started()
+            await trio.sleep(TTL / 3)
+    finally:
+        if lease is not None:
+            with trio.move_on_after(2) as scope:
+                scope.shield = True
+                try:
+                    await kv.revoke_lease(lease)
+                except FsError:
+                    pass  # it expires by itself
+
+
+async def sweep_orphans(fs) -> int:
+    """Free inodes that dead mounts held unlinked-but-open (a periodic task)."""
+    return await fs.files.reap_orphans(fs.views.get(0))

@@ -1,0 +1,422 @@
+"""Failure tests on real mounts: lost devices, corrupt fragments, a crashed mount
+daemon, and bad input.
+
+Each test damages a volume the way the world does (a device directory gone, bytes
+flipped on a device, the daemon killed with SIGKILL in the middle of writes, a user's
+mistake) and checks what a user would see: every byte that was stored (or fsync'ed)
+reads back exactly, the damage is reported (status, mount.log, fsck), and mistakes
+get the proper errno or a one-line error with exit status 2.
+"""
+from __future__ import annotations
+
+import errno
+import glob
+import hashlib
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+
+from mountutil import Mounted, assert_fsck_clean, bmfs, daemon_pid, fsck, is_mounted
+
+MiB = 1 << 20
+
+
+# -- helpers ------------------------------------------------------------------------------
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_varied_files(root) -> dict[str, str]:
+    """Files of the sizes that take different paths (empty, inline, one block, several
+    blocks, a stripe and a bit, several stripes, sparse); returns name -> sha256 of the
+    contents a reader must see."""
+    rng = random.Random(1234)
+    want = {}
+    os.makedirs(os.path.join(root, "sub", "deeper"), exist_ok=True)
+    for name, size in [("empty", 0), ("one", 1), ("4k", 4096), ("17k", 17 * 1024),
+                       ("sub/1m1", MiB + 1), ("sub/deeper/9m", 9 * MiB)]:
+        data = rng.randbytes(size)
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(data)
+        want[name] = sha(data)
+    # sparse: data, a hole across a stripe boundary, data, then a hole to the end
+    head, tail = rng.randbytes(1000), rng.randbytes(5000)
+    fd = os.open(os.path.join(root, "sparse"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, head, 0)
+        os.pwrite(fd, tail, 6 * MiB + 123)
+        os.ftruncate(fd, 20 * MiB)
+    finally:
+        os.close(fd)
+    sparse = bytearray(20 * MiB)
+    sparse[:1000] = head
+    sparse[6 * MiB + 123:6 * MiB + 123 + 5000] = tail
+    want["sparse"] = sha(bytes(sparse))
+    return want
+
+
+def read_back(root, want: dict[str, str]) -> None:
+    for name, digest in sorted(want.items()):
+        with open(os.path.join(root, name), "rb") as f:
+            data = f.read()
+        assert sha(data) == digest, f"{name}: {len(data)} bytes read, contents differ"
+
+
+def status_json(target) -> dict:
+    res = bmfs("status", "--json", target)
+    return json.loads(res.stdout)
+
+
+def fragment_files(volume) -> list[tuple[int, int, int, str]]:
+    """(stripe id, fragment index, device, path) of every fragment file on the devices."""
+    out = []
+    for path in glob.glob(os.path.join(str(volume), "dev*", "frags", "*", "*")):
+        name = os.path.basename(path)
+        if name.endswith(".tmp"):
+            continue
+        dev = int(path.split(os.sep)[-4][3:])
+        sid_hex, idx = name.split(".")
+        out.append((int(sid_hex, 16), int(idx), dev, path))
+    return sorted(out)
+
+
+def flip(path, offset) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def payload_area(path) -> tuple[int, int]:
+    """(start, length) of the payload of a fragment file (see bmfs/data/fragment.py)."""
+    with open(path, "rb") as f:
+        head = f.read(32)
+    plen, _bsize, nblocks = struct.unpack_from("<III", head, 16)
+    return 32 + 4 * nblocks, plen
+
+
+def one_line_error(res: subprocess.CompletedProcess) -> str:
+    err = res.stderr.strip()
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr
+    assert err and len(err.splitlines()) == 1, f"want one line on stderr, got:\n{res.stderr}"
+    return err
+
+
+# -- lost devices -------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["whole-device", "frags-only"])
+def test_two_devices_lost_everything_reads_back(mnt, how):
+    want = write_varied_files(mnt.mp)
+    mnt.umount()
+    lost = [1, 4]
+    for n in lost:
+        dev = os.path.join(str(mnt.volume), f"dev{n}")
+        if how == "whole-device":
+            shutil.rmtree(dev)
+        else:
+            for sub in os.listdir(os.path.join(dev, "frags")):
+                shutil.rmtree(os.path.join(dev, "frags", sub))
+    with Mounted(mnt.volume, mnt.mp):
+        read_back(mnt.mp, want)
+        st = status_json(mnt.mp)
+        health = {d["id"]: d["health"] for d in st["devices"]}
+        if how == "whole-device":
+            assert {d for d, h in health.items() if h != "ok"} == set(lost), health
+            human = bmfs("status", mnt.volume).stdout
+            for n in lost:
+                line = next(ln for ln in human.splitlines() if f"dev{n}" in ln)
+                assert "missing" in line, human
+        else:
+            assert set(health.values()) == {"ok"}, health
+            assert st["data"]["missing_fragments"] > 0, st["data"]
+        assert st["data"]["degraded_reads"] > 0, st["data"]
+        # a degraded volume still takes new data
+        extra = random.Random(5).randbytes(5 * MiB + 7)
+        with open(os.path.join(mnt.mp, "written-degraded"), "wb") as f:
+            f.write(extra)
+            os.fsync(f.fileno())
+        want["written-degraded"] = sha(extra)
+    with Mounted(mnt.volume, mnt.mp):
+        read_back(mnt.mp, want)
+    # the damage is not hidden: fsck names what is gone
+    res = fsck(mnt.volume)
+    assert res.returncode != 0, res.stdout
+    if how == "whole-device":
+        for n in lost:
+            assert f"device {n}" in res.stdout, res.stdout
+
+
+# -- corrupt fragments --------------------------------------------------------------------
+def test_flipped_bytes_are_detected_and_read_around(mnt):
+    want = write_varied_files(mnt.mp)
+    mnt.umount()
+    frags = fragment_files(mnt.volume)
+    first = min(sid for sid, _, _, _ in frags)
+    # two devices: the ones holding data fragments 0 and 1 of the first stripe, so the
+    # damage lies on the path of ordinary reads; no stripe loses more than m=2 fragments
+    dev_payload = next(d for s, i, d, _ in frags if s == first and i == 0)
+    dev_header = next(d for s, i, d, _ in frags if s == first and i == 1)
+    damaged = []
+    for sid, idx, dev, path in frags:
+        if dev == dev_payload:
+            start, plen = payload_area(path)
+            flip(path, start + plen // 2)
+        elif dev == dev_header:
+            flip(path, 32)  # the first entry of the block checksum table
+        else:
+            continue
+        damaged.append((sid, idx, dev))
+    assert len({sid for sid, _, _ in damaged}) >= 3, damaged
+
+    res = fsck(mnt.volume, "--full")
+    assert res.returncode != 0, res.stdout
+    for sid, idx, dev in damaged:
+        assert f"stripe {sid} fragment {idx} on device {dev}" in res.stdout, \
+            (sid, idx, dev, res.stdout)
+
+    with Mounted(mnt.volume, mnt.mp):
+        read_back(mnt.mp, want)
+        st = status_json(mnt.mp)
+        assert st["data"]["corrupt_fragments"] > 0, st["data"]
+    with open(os.path.join(str(mnt.volume), "mount.log")) as f:
+        log = f.read()
+    assert "corrupt" in log, log[-2000:]
+
+    # and the volume can be brought back to full health
+    bmfs("repair", mnt.volume)
+    res = fsck(mnt.volume, "--full")
+    assert res.returncode == 0, res.stdout
+    with Mounted(mnt.volume, mnt.mp):
+        read_back(mnt.mp, want)
+
+
+# -- kill -9 of the mount daemon during writes -------------------------------------------
+WRITER = textwrap.dedent("""
+    import hashlib, os, random, sys
+    root, log_path = sys.argv[1], sys.argv[2]
+    sizes = [0, 1, 5000, 17 * 1024, 300 * 1024, (1 << 20) + 3, 5 << 20]
+    log = open(log_path, "a")
+    def record(line):
+        log.write(line + "\\n")
+        log.flush()
+        os.fsync(log.fileno())
+    try:
+        for i in range(100000):
+            if i % 10 == 0:
+                d = os.path.join(root, "d%d" % (i // 10))
+                os.mkdir(d)
+                fd = os.open(root, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+                record("dir d%d" % (i // 10))
+            data = random.Random(i).randbytes(sizes[i % len(sizes)])
+            name = "d%d/f%d" % (i // 10, i)
+            fd = os.open(os.path.join(root, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.write(fd, data)
+            os.fsync(fd)
+            record("file %s %s" % (name, hashlib.sha256(data).hexdigest()))
+            os.close(fd)
+    except OSError as e:
+        print("writer stopped:", e, file=sys.stderr)
+""")
+
+
+def test_kill9_during_writes_keeps_what_fsync_promised(mnt, tmp_path):
+    root = os.path.join(mnt.mp, "w")
+    os.mkdir(root)
+    log_path = str(tmp_path / "fsynced.log")
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, root, log_path],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        # kill once 25 files are safe, while the writer is on a 5 MiB file (more than
+        # a stripe: fragments are being stored when the daemon dies)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and writer.poll() is None:
+            done = [ln for ln in open(log_path)] if os.path.exists(log_path) else []
+            files = [ln for ln in done if ln.startswith("file")]
+            if len(files) >= 25 and int(files[-1].split()[1].split("/f")[1]) % 7 == 5:
+                break
+            time.sleep(0.005)
+        assert writer.poll() is None, f"the writer stopped early: {writer.stderr.read()}"
+        time.sleep(random.Random().uniform(0, 0.1))
+        mnt.kill9()
+        writer.wait(timeout=60)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    lines = open(log_path).read().splitlines()
+    files = [ln.split()[1:] for ln in lines if ln.startswith("file ")]
+    dirs = [ln.split()[1] for ln in lines if ln.startswith("dir ")]
+    assert len(files) >= 25
+
+    with Mounted(mnt.volume, mnt.mp):
+        for d in dirs:
+            assert os.path.isdir(os.path.join(root, d)), f"fsync'ed directory {d} is gone"
+        for name, digest in files:
+            with open(os.path.join(root, name), "rb") as f:
+                assert sha(f.read()) == digest, f"fsync'ed file {name} differs after the crash"
+        # files the crash interrupted may hold anything, but reading them must not fail
+        for d in os.listdir(root):
+            for name in os.listdir(os.path.join(root, d)):
+                with open(os.path.join(root, d, name), "rb") as f:
+                    f.read()
+    res = fsck(mnt.volume)
+    if res.returncode != 0:
+        problems = [ln for ln in res.stdout.splitlines() if ln.startswith("problem:")]
+        leaks = [p for p in problems if "fragment files no stripe owns" in p]
+        assert problems == leaks, "fsck after a crash:\n" + res.stdout
+        warnings.warn("after kill -9, fsck reports fragments of unfinished writes that no "
+                      "stripe owns (fixed by fsck --repair): " + "; ".join(leaks))
+        bmfs("fsck", "--repair", mnt.volume, check=False)
+        assert_fsck_clean(mnt.volume)
+
+
+# -- bad input ----------------------------------------------------------------------------
+def expect_errno(code, fn, *args):
+    with pytest.raises(OSError) as e:
+        fn(*args)
+    assert e.value.errno == code, f"{fn.__name__}{args}: {e.value}, want {errno.errorcode[code]}"
+
+
+def test_names_over_255_bytes(mnt):
+    mp = mnt.mp
+    ok255 = "n" * 255
+    ok_utf8 = "é" * 127                     # 254 bytes
+    long = ["n" * 256, "é" * 128, "n" * 1000]  # 256, 256 and 1000 bytes
+    with open(os.path.join(mp, ok255), "w") as f:
+        f.write("fine")
+    os.mkdir(os.path.join(mp, ok_utf8))
+    for name in long:
+        p = os.path.join(mp, name)
+        expect_errno(errno.ENAMETOOLONG, os.open, p, os.O_WRONLY | os.O_CREAT, 0o644)
+        expect_errno(errno.ENAMETOOLONG, os.mkdir, p)
+        expect_errno(errno.ENAMETOOLONG, os.symlink, "target", p)
+        expect_errno(errno.ENAMETOOLONG, os.rename, os.path.join(mp, ok255), p)
+        expect_errno(errno.ENAMETOOLONG, os.link, os.path.join(mp, ok255), p)
+        expect_errno(errno.ENAMETOOLONG, os.stat, p)
+        expect_errno(errno.ENAMETOOLONG, os.unlink, p)
+    assert sorted(os.listdir(mp)) == sorted([ok255, ok_utf8])
+    mnt.umount()
+    with Mounted(mnt.volume, mnt.mp):
+        assert sorted(os.listdir(mp)) == sorted([ok255, ok_utf8])
+        with open(os.path.join(mp, ok255)) as f:
+            assert f.read() == "fine"
+    assert_fsck_clean(mnt.volume)
+
+
+def test_paths_through_a_file(mnt):
+    f = os.path.join(mnt.mp, "plain")
+    with open(f, "w") as fh:
+        fh.write("x")
+    os.symlink("plain", os.path.join(mnt.mp, "link"))
+    os.mkdir(os.path.join(mnt.mp, "dir"))
+    for base in (f, os.path.join(mnt.mp, "link")):
+        p = os.path.join(base, "x")
+        expect_errno(errno.ENOTDIR, os.open, p, os.O_WRONLY | os.O_CREAT, 0o644)
+        expect_errno(errno.ENOTDIR, os.mkdir, p)
+        expect_errno(errno.ENOTDIR, os.stat, p)
+        expect_errno(errno.ENOTDIR, os.listdir, base)
+        expect_errno(errno.ENOTDIR, os.rename, p, os.path.join(mnt.mp, "y"))
+        expect_errno(errno.ENOTDIR, os.rename, os.path.join(mnt.mp, "dir"), p)
+    expect_errno(errno.ENOTDIR, os.rmdir, f)
+    expect_errno(errno.ENOTDIR, os.rename, os.path.join(mnt.mp, "dir"), f)
+    assert sorted(os.listdir(mnt.mp)) == ["dir", "link", "plain"]
+    with open(f) as fh:
+        assert fh.read() == "x"
+
+
+def test_mount_of_missing_or_foreign_volume_dir(tmp_path):
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    for target, words in ((tmp_path / "missing", "no such"), (foreign, "not a bmfs volume")):
+        res = bmfs("mount", mp, "--volume", target, check=False)
+        assert res.returncode == 2, (res.returncode, res.stderr)
+        assert words in one_line_error(res)
+        assert not is_mounted(mp)
+    assert not (tmp_path / "missing").exists()
+    assert sorted(os.listdir(foreign)) == ["notes.txt"], "bmfs left files in a foreign dir"
+    for cmd in (["fsck"], ["status"]):
+        res = bmfs(*cmd, tmp_path / "missing", check=False)
+        assert res.returncode == 2, (cmd, res.returncode, res.stderr)
+        one_line_error(res)
+
+
+def test_write_past_the_maximum_file_size(mnt):
+    """Nothing can be written past bmfs.config.MAX_FILE_SIZE; the byte just below it can.
+
+    When the limit is the kernel's own (2**63 - 1) the kernel answers: EFBIG, or EINVAL
+    where offset + length overflows."""
+    from bmfs.config import MAX_FILE_SIZE
+    kernel_limit = MAX_FILE_SIZE >= (1 << 63) - 1
+    refused = (errno.EFBIG, errno.EINVAL) if kernel_limit else (errno.EFBIG,)
+    p = os.path.join(mnt.mp, "huge")
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, b"start", 0)
+        for data, offset in ((b"x", MAX_FILE_SIZE), (b"xy", MAX_FILE_SIZE - 1),
+                             (b"x" * 5000, MAX_FILE_SIZE - 100)):
+            with pytest.raises(OSError) as e:
+                os.pwrite(fd, data, offset)
+            assert e.value.errno in refused, (offset, len(data), e.value)
+        if not kernel_limit:
+            expect_errno(errno.EFBIG, os.ftruncate, fd, MAX_FILE_SIZE + 1)
+        os.fsync(fd)
+        assert os.fstat(fd).st_size == 5
+        # the last byte below the limit is fine (and reads back after a remount)
+        assert os.pwrite(fd, b"z", MAX_FILE_SIZE - 1) == 1
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert os.stat(p).st_size == MAX_FILE_SIZE
+    mnt.umount()
+    with Mounted(mnt.volume, mnt.mp):
+        assert os.stat(p).st_size == MAX_FILE_SIZE
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            assert os.pread(fd, 5, 0) == b"start"
+            assert os.pread(fd, 1, MAX_FILE_SIZE - 1) == b"z"
+            assert os.pread(fd, 3, MAX_FILE_SIZE - 3) == b"\0\0z"
+        finally:
+            os.close(fd)
+    assert_fsck_clean(mnt.volume)
+
+
+def test_three_devices_gone_refuses_to_mount_and_loses_nothing(mnt):
+    want = write_varied_files(mnt.mp)
+    mnt.umount()
+    vol = str(mnt.volume)
+    gone = [0, 2, 5]
+    for n in gone:
+        os.rename(os.path.join(vol, f"dev{n}"), os.path.join(vol, f"dev{n}.away"))
+    res = bmfs("mount", mnt.mp, "--volume", vol, check=False)
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    err = one_line_error(res)
+    assert "3 devices" in err and all(f"dev{n}" in err for n in gone), err
+    assert not is_mounted(mnt.mp)
+    pid = daemon_pid(vol)
+    if pid:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    for cmd in ("fsck", "status"):
+        res = bmfs(cmd, vol, check=False)
+        assert res.returncode in (1, 2), (cmd, res.returncode, res.stderr)
+        assert "Traceback" not in res.stderr, res.stderr
+    for n in gone:
+        os.rename(os.path.join(vol, f"dev{n}.away"), os.path.join(vol, f"dev{n}"))
+    with Mounted(vol, mnt.mp):
+        read_back(mnt.mp, want)
+        assert all(d["health"] == "ok" for d in status_json(mnt.mp)["devices"])
+    assert_fsck_clean(vol)

@@ -1,0 +1,244 @@
+"""Level 7: mounts of one etcd volume while etcd fails (a real 3-member cluster).
+
+- the leader is SIGKILLed under a metadata-heavy load from two mounts: operations stall
+  briefly (printed), then continue; nothing acknowledged is lost; fsck is clean;
+- etcd unreachable at mount time: `bmfs mount` exits 2 with one line, quickly;
+- etcd without a quorum while mounted: operations fail with EIO after the engine's
+  timeout (no hang), and work again once the quorum is back;
+- a transaction over etcd's limits fails at once with an error naming the flag.
+"""
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import trio
+
+from bmfs.errors import IOFailure
+from bmfs.kv import open_kv
+from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
+from mountutil import Mounted, bmfs, is_mounted
+from multimount import etcd_volume, run_worker
+
+
+def test_leader_kill_under_metadata_load(etcd_cluster, tmp_path):
+    stop = str(tmp_path / "stop")
+    leader = None
+    try:
+        with etcd_volume(etcd_cluster, tmp_path, 2) as mounts:
+            workers = [run_worker("metaload", m.mp, f"w{i}", 60, stop_file=stop)
+                       for i, m in enumerate(mounts)]
+            try:
+                time.sleep(2)
+                leader = etcd_cluster.leader_index()
+                killed_at = time.time()
+                etcd_cluster.kill(leader)
+                time.sleep(5)
+                open(stop, "w").close()
+                results = [w.result(timeout=60) for w in workers]
+            finally:
+                for w in workers:
+                    w.stop()
+            stalls = []
+            for i, r in enumerate(results):
+                times = [t for _, t in r["acks"]]
+                before = [t for t in times if t <= killed_at]
+                after = [t for t in times if t > killed_at]
+                assert before and len(after) > 10, f"worker {i}: {len(before)} before, " \
+                                                   f"{len(after)} after the kill"
+                # the longest time without an acknowledgement, across the kill
+                stalls.append(max(b - a for a, b in zip([before[-1]] + after,
+                                                        after)))
+                assert after[-1] - killed_at > 3  # and it kept going
+            print(f"\netcd leader (member {leader}) SIGKILLed under 2 mounts' metadata load: "
+                  f"operations stalled {max(stalls):.2f} s "
+                  f"(per mount: {', '.join(f'{s:.2f}' for s in stalls)}); "
+                  f"{sum(len(r['acks']) for r in results)} operations acknowledged")
+            assert max(stalls) < 10
+            for i, r in enumerate(results):  # nothing acknowledged is lost, on either mount
+                for m in mounts:
+                    names = set(os.listdir(f"{m.mp}/w{i}"))
+                    missing = [n for n, _ in r["acks"] if n not in names]
+                    assert not missing, f"{m.mp}/w{i}: lost {missing[:5]}"
+                for n, _ in r["acks"][:: max(1, len(r["acks"]) // 50)]:
+                    with open(f"{mounts[1 - i].mp}/w{i}/{n}", "rb") as f:
+                        assert f.read() == f"w{i}:{int(n[1:])}".encode()
+        # etcd_volume unmounted both and ran fsck: clean
+    finally:
+        if leader is not None:
+            etcd_cluster.restart(leader)
+
+
+def _unreachable_url() -> tuple[str, list]:
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)                # accepts into the backlog, never answers
+    hosts = [f"127.0.0.1:{s.getsockname()[1]}" for s in (refused, silent)]
+    return "etcd://" + ",".join(hosts), [refused, silent]
+
+
+def test_etcd_unreachable_at_mount(etcd_cluster, tmp_path):
+    etcd_cluster.wipe()
+    bmfs("mkfs", tmp_path / "vol", "--meta", etcd_cluster.url)
+    info = json.load(open(tmp_path / "vol" / "volume.json"))
+    url, socks = _unreachable_url()
+    try:
+        info["meta"] = url
+        os.makedirs(tmp_path / "elsewhere")
+        json.dump(info, open(tmp_path / "elsewhere" / "volume.json", "w"))
+        os.makedirs(tmp_path / "mnt")
+        t0 = time.monotonic()
+        res = bmfs("mount", tmp_path / "mnt", "--volume", tmp_path / "elsewhere", check=False,
+                   timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        for s in socks:
+            s.close()
+    print(f"\nbmfs mount with etcd unreachable: exit {res.returncode} after {took:.1f} s: "
+          f"{res.stderr.strip()}")
+    assert res.returncode == 2
+    assert len(res.stderr.strip().splitlines()) == 1 and "etcd cluster unavailable" in res.stderr
+    assert took < 12
+    assert not is_mounted(tmp_path / "mnt")
+
+
+def _timed(cmd: list[str], timeout: float = 60) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return res.returncode, res.stderr.strip(), time.monotonic() - t0
+
+
+def test_etcd_quorum_lost_while_mounted(etcd_cluster, tmp_path):
+    """Without a quorum, operations fail with EIO after the engine's timeout (10 s), a
+    new mount fails at once; when the quorum is back, the mount works again."""
+    down = []
+    try:
+        with etcd_volume(etcd_cluster, tmp_path, 1) as (m,):
+            with open(f"{m.mp}/before", "wb") as f:
+                f.write(b"kept")
+            for i in (0, 1):
+                etcd_cluster.kill(i)
+                down.append(i)
+            probe = ("import os, sys\ntry:\n    os.mkdir(sys.argv[1])\nexcept OSError as e:\n"
+                     "    sys.exit(e.errno)\n")
+            code, _, took = _timed([sys.executable, "-c", probe, f"{m.mp}/during"])
+            print(f"\nmkdir without an etcd quorum: errno {code} after {took:.1f} s")
+            assert code == errno.EIO and took < 25
+            os.makedirs(tmp_path / "m2")
+            code, err, took = _timed([sys.executable, "-m", "bmfs.cli.main", "mount",
+                                      str(tmp_path / "m2"), "--volume", str(tmp_path / "vol")])
+            print(f"bmfs mount without an etcd quorum: exit {code} after {took:.1f} s: {err}")
+            assert code == 2 and len(err.splitlines()) == 1 and took < 12
+            for i in down:
+                etcd_cluster.restart(i)
+            down.clear()
+            t0 = time.monotonic()
+            while True:  # the engine backs off; the next operation goes through
+                try:
+                    os.mkdir(f"{m.mp}/after")
+                    break
+                except OSError as e:
+                    assert e.errno == errno.EIO and time.monotonic() - t0 < 30
+            with open(f"{m.mp}/before", "rb") as f:
+                assert f.read() == b"kept"
+            assert sorted(os.listdir(m.mp)) == ["after", "before"]
+    finally:
+        for i in down:
+            etcd_cluster.restart(i)
+
+
+def test_transaction_over_etcd_limits_fails_at_once(etcd_cluster):
+    etcd_cluster.wipe()
+
+    async def main():
+        kv = await open_kv(etcd_cluster.url)
+        try:
+            for n, size, flag in ((etcd_cluster.max_txn_ops + 1, 1, "--max-txn-ops"),
+                                  (1, etcd_cluster.max_request_bytes + (1 << 20),
+                                   "--max-request-bytes")):
+                txn = kv.begin()
+                for i in range(n):
+                    txn.put(b"big/%d" % i, b"x" * size)
+                t0 = trio.current_time()
+                with pytest.raises(IOFailure, match=flag):
+                    await kv.commit(txn)
+                assert trio.current_time() - t0 < 3
+        finally:
+            await kv.aclose()
+    trio.run(main)
+
+
+def test_mount_records_and_orphans_of_dead_mounts(etcd_cluster, tmp_path):
+    """A mount holds a leased m/ record; a file it holds unlinked-but-open is left alone
+    by other mounts while it lives, and freed by them once it has died."""
+    with etcd_volume(etcd_cluster, tmp_path, 2) as (a, b):
+        async def keys(prefix):
+            kv = await open_kv(etcd_cluster.url)
+            try:
+                return dict(await kv.range(prefix, prefix[:-1] + b"0"))
+            finally:
+                await kv.aclose()
+        records = trio.run(keys, b"m/")
+        assert sorted(json.loads(v)["pid"] for v in records.values()) == sorted([a.pid, b.pid])
+        with open(f"{a.mp}/held", "wb") as f:
+            f.write(b"x" * 100)
+        fd = os.open(f"{a.mp}/held", os.O_RDONLY)
+        os.unlink(f"{a.mp}/held")
+        assert len(trio.run(keys, b"o/")) == 1
+        # b sweeps orphans every few seconds: a's stays while a lives
+        c = Mounted(tmp_path / "vol", tmp_path / "c")  # a new mount reaps at start too
+        with c:
+            time.sleep(6)
+            assert os.pread(fd, 100, 0) == b"x" * 100
+            a.kill9()  # dies holding it: its record expires (10 s lease), then b frees it
+            t0 = time.monotonic()
+            while trio.run(keys, b"o/"):
+                assert time.monotonic() - t0 < 30, "the dead mount's orphan was not freed"
+                time.sleep(0.5)
+            print(f"\norphan of a SIGKILLed mount freed {time.monotonic() - t0:.1f} s later")
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def test_big_file_freed_in_batches(tmp_path, monkeypatch):
+    """Deleting or cutting short a file with more chunks than one etcd transaction may
+    touch goes a batch of chunks per transaction (here: etcd's default of 128
+    operations per transaction, and 16 chunks per batch)."""
+    from bmfs.cluster.etcd import EtcdCluster
+    from bmfs.vfs import files
+    from bmfs.meta.keys import CHUNK_SIZE
+    from vfsutil import open_fs
+    monkeypatch.setattr(files, "FREE_BATCH", 16)
+    cluster = EtcdCluster(max_txn_ops=128)
+    try:
+        async def main():
+            from bmfs.vfs.volume import mkfs
+            await mkfs(str(tmp_path / "vol"), meta=cluster.url)
+            async with open_fs(tmp_path / "vol") as fs:
+                made = []
+                for name in (b"unlinked", b"truncated"):
+                    fh, a = await fs.create_file(1, name, 0o644, os.O_RDWR, 0, 0)
+                    for c in range(100):  # a byte in each of 100 chunks: 100 stripes
+                        await fs.files.write(fh, c * CHUNK_SIZE, b"x")
+                        await fs.files.flush(fh)
+                    await fs.files.release(fh)
+                    made.append(a.ino)
+                commits = fs.kv.commits
+                await fs.unlink(1, b"unlinked")
+                await fs.setattr(made[1], size=1)
+                assert fs.kv.commits - commits >= 2 * 100 // 16
+                assert (await fs.getattr(made[1])).size == 1
+                assert [n for n, _ in await fs.readdir(1)] == [b"truncated"]
+                assert not await fs.kv.range(b"o/", b"o0")
+            # open_fs ends with fsck: reference counts and entries agree
+        trio.run(main)
+    finally:
+        cluster.stop()

@@ -1,0 +1,202 @@
+"""Level 7: several mounts of one etcd volume (a real 3-member etcd cluster).
+
+The mounts use 30 s kernel cache timeouts, so anything another mount sees within a
+second came through the watch-driven invalidation, not through a timeout. Every test
+ends with `bmfs fsck` of the volume (etcd_volume does it after unmounting).
+"""
+import errno
+import json
+import os
+import threading
+
+import pytest
+
+from bmfs.cluster.etcd import ETCD
+from bmfs.proc import alive
+
+from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
+from mountutil import Mounted, bmfs, mkfs
+from multimount import etcd_volume, run_worker, wait_until
+
+
+def _write(path, data: bytes, mode="wb"):
+    with open(path, mode) as f:
+        f.write(data)
+
+
+def _read(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_mkfs_and_mount_etcd_volume(etcd_cluster, tmp_path):
+    with etcd_volume(etcd_cluster, tmp_path, 2) as (a, b):
+        info = open(tmp_path / "vol" / "volume.json").read()
+        assert etcd_cluster.url in info
+        assert a.pid != b.pid and a.pid and b.pid
+        _write(f"{a.mp}/hello", b"from a")
+        assert _read(f"{b.mp}/hello") == b"from a"
+        # mkfs on metadata that already holds a volume: one-line error, exit 2
+        res = bmfs("mkfs", tmp_path / "vol2", "--meta", etcd_cluster.url, check=False)
+        assert res.returncode == 2 and "already holds a volume" in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_close_to_open(etcd_cluster, tmp_path):
+    """A file closed on one mount is seen complete by an open on another, whatever the
+    other mount had cached (its pages, its kernel's file size), growing or shrinking."""
+    with etcd_volume(etcd_cluster, tmp_path, 2) as (a, b):
+        pa, pb = f"{a.mp}/f", f"{b.mp}/f"
+        bad = []
+        for i in range(60):
+            size = [10, 5000, 3, 70000, 4096, 0, 12345][i % 7] + i
+            data = os.urandom(size)
+            _write(pa, data)  # truncate + write, close
+            got = _read(pb)   # open right after the close, no wait
+            if got != data:
+                bad.append((i, size, len(got)))
+            assert os.stat(pb).st_size == size or bad
+        assert not bad, f"stale reads on the other mount (round, size, got): {bad}"
+        # appends by b while a reads: the other direction, and growth only
+        for i in range(20):
+            _write(pb, b"x" * (100 + i), "ab")
+            assert _read(pa) == _read(pb)
+        # b keeps the file open: a's growth still shows in b's next open
+        with open(pb, "rb") as held:
+            before = held.read()
+            _write(pa, b"y" * 9000, "ab")
+            assert _read(pb) == before + b"y" * 9000
+
+
+def test_changes_visible_within_a_second(etcd_cluster, tmp_path):
+    with etcd_volume(etcd_cluster, tmp_path, 3) as mounts:
+        a, others = mounts[0], mounts[1:]
+        os.mkdir(f"{a.mp}/d")
+        delays = {}
+
+        def seen(what, fn):
+            for m in others:
+                fn.__doc__ = f"{what} on {m.mp}"
+                delays.setdefault(what, []).append(wait_until(lambda: fn(m.mp), 5))
+
+        seen("mkdir", lambda mp: os.path.isdir(f"{mp}/d"))
+        for m in others:  # every mount caches the directory, names and attributes
+            assert os.listdir(f"{m.mp}/d") == []
+            assert not os.path.exists(f"{m.mp}/d/x")
+        _write(f"{a.mp}/d/x", b"1234")
+        seen("create", lambda mp: os.path.exists(f"{mp}/d/x"))
+        for m in others:
+            assert os.stat(f"{m.mp}/d/x").st_size == 4
+        os.rename(f"{a.mp}/d/x", f"{a.mp}/d/y")
+        seen("rename", lambda mp: not os.path.exists(f"{mp}/d/x") and os.path.exists(f"{mp}/d/y"))
+        _write(f"{a.mp}/d/y", b"123456789", "ab")
+        seen("size", lambda mp: os.stat(f"{mp}/d/y").st_size == 13)
+        os.chmod(f"{a.mp}/d/y", 0o600)
+        seen("chmod", lambda mp: os.stat(f"{mp}/d/y").st_mode & 0o777 == 0o600)
+        os.unlink(f"{a.mp}/d/y")
+        seen("unlink", lambda mp: not os.path.exists(f"{mp}/d/y"))
+        os.rmdir(f"{a.mp}/d")
+        seen("rmdir", lambda mp: not os.path.exists(f"{mp}/d"))
+        # a snapshot taken on one mount: the branch head moves under the others
+        assert a.ctl("snapshot_create", name="s1")["ok"]
+        _write(f"{a.mp}/after-snapshot", b"new layer")
+        seen("create after snapshot", lambda mp: os.path.exists(f"{mp}/after-snapshot"))
+        for m in others:
+            assert _read(f"{m.mp}/after-snapshot") == b"new layer"
+            assert os.listdir(f"{m.mp}/.bm/snapshots") == ["s1"]
+        print("\nseconds until the other mounts saw it (worst of 2): " +
+              ", ".join(f"{k} {max(v):.3f}" for k, v in delays.items()))
+        assert max(max(v) for v in delays.values()) < 1.0
+
+
+def test_same_name_create_race(etcd_cluster, tmp_path):
+    """Both mounts create each name at the same moment: exactly one wins, one EEXIST."""
+    with etcd_volume(etcd_cluster, tmp_path, 2) as (a, b):
+        rounds = 40
+        barrier = threading.Barrier(2)
+        results = {a.mp: [], b.mp: []}
+
+        def racer(mp):
+            for i in range(rounds):
+                barrier.wait()
+                try:
+                    fd = os.open(f"{mp}/r{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    os.write(fd, mp.encode())
+                    os.close(fd)
+                    results[mp].append("won")
+                except OSError as e:
+                    results[mp].append(errno.errorcode[e.errno])
+        threads = [threading.Thread(target=racer, args=(m.mp,)) for m in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for i in range(rounds):
+            outcome = sorted((results[a.mp][i], results[b.mp][i]))
+            assert outcome == ["EEXIST", "won"], f"round {i}: {outcome}"
+            winner = a.mp if results[a.mp][i] == "won" else b.mp
+            for m in (a, b):
+                assert _read(f"{m.mp}/r{i}") == winner.encode()
+        wins = results[a.mp].count("won")
+        print(f"\nsame-name create race: mount a won {wins}, mount b {rounds - wins}")
+
+
+def test_two_mounts_hammer_one_directory(etcd_cluster, tmp_path):
+    with etcd_volume(etcd_cluster, tmp_path, 2) as (a, b):
+        os.mkdir(f"{a.mp}/h")
+        workers = [run_worker("hammer", f"{m.mp}/h", f"w{i}", 6, seed=i)
+                   for i, m in enumerate((a, b))]
+        try:
+            results = [w.result() for w in workers]
+        finally:
+            for w in workers:
+                w.stop()
+        done = sum(len(r["done"]) for r in results)
+        created = {op[2] for r in results for op in r["done"] if op[0] == "create"}
+        print(f"\nhammer: {done} operations succeeded, "
+              f"{sum(r['failed'] for r in results)} got EEXIST/ENOENT")
+        assert done > 100
+        names_a = sorted(os.listdir(f"{a.mp}/h"))
+        wait_until(lambda: sorted(os.listdir(f"{b.mp}/h")) == names_a, 2)
+        tokens = []
+        for name in names_a:
+            for m in (a, b):
+                st = os.stat(f"{m.mp}/h/{name}")
+                assert st.st_nlink == 1
+            content = _read(f"{a.mp}/h/{name}")
+            assert _read(f"{b.mp}/h/{name}") == content
+            assert content.decode() in created, f"{name}: {content!r} was never written"
+            tokens.append(content)
+        assert len(tokens) == len(set(tokens)), "one file's content under two names"
+        for m in (a, b):
+            assert os.stat(f"{m.mp}/h").st_nlink == 2
+    # (etcd_volume ends with fsck: entries, inodes, link counts and stripes agree)
+
+
+def test_sqlite_volume_stays_single_owner(tmp_path):
+    mkfs(tmp_path / "vol")
+    os.makedirs(tmp_path / "m2")
+    with Mounted(tmp_path / "vol", tmp_path / "m1"):
+        res = bmfs("mount", tmp_path / "m2", "--volume", tmp_path / "vol", check=False)
+        assert res.returncode == 2 and "in use" in res.stderr, res.stderr
+
+
+def test_cluster_up_with_etcd(tmp_path):
+    """`bmfs cluster up DIR --meta etcd`: 3 etcd members beside the nodes, listed with
+    their pids in DIR/cluster.json; two mounts share the volume; `cluster down` stops
+    every member."""
+    if not os.access(ETCD, os.X_OK):
+        pytest.skip("etcd not installed")
+    d = tmp_path / "cl"
+    bmfs("cluster", "up", d, "--meta", "etcd", "--nodes", "6", timeout=120)
+    try:
+        info = json.load(open(d / "cluster.json"))
+        assert info["meta"].startswith("etcd://") and len(info["etcd"]) == 3
+        assert all(alive(m["pid"]) for m in info["etcd"])
+        with Mounted(d, tmp_path / "a") as a, Mounted(d, tmp_path / "b") as b:
+            _write(f"{a.mp}/x", b"shared")
+            assert _read(f"{b.mp}/x") == b"shared"
+        assert bmfs("fsck", d, check=False).returncode == 0
+    finally:
+        bmfs("cluster", "down", d, check=False, timeout=60)
+    assert not any(alive(m["pid"]) for m in info["etcd"])

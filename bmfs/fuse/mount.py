@@ -23,7 +23,7 @@ import trio
 
 from ..config import MountOptions
 from ..errors import FsError
-from ..vfs import session
+from ..vfs import gc, session
 from ..vfs.fs import FileSystem
 from ..vfs.volume import Volume
 from ..vfs.watch import Watcher
@@ -43,6 +43,10 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
     """Mount and serve until unmounted. ``ready(error_or_None)`` is called once."""
     volume = await Volume.open(volume_path)
     try:
+        swept = await gc.begin_session(volume)  # single owner: sweep after a crash
+        if swept:
+            log.warning("the last mount crashed: deleted %d fragment files of writes it "
+                        "never committed", swept)
         fs = await FileSystem.create(volume, opts.branch)
         ops = Operations(fs, opts.attr_timeout)
         fuse_options = set(pyfuse3.default_options)
@@ -55,6 +59,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
         pidfiles = [pid_file(volume_path, mountpoint), os.path.join(volume_path, "mount.pid")]
         try:
             async with trio.open_nursery() as nursery:
+                fs.files.nursery = nursery  # full stripes are stored in the background
                 # before the first request: other mounts' changes from now on are seen
                 await nursery.start(Watcher(fs).run)
                 await nursery.start(session.keep_alive, fs, mountpoint)
@@ -68,6 +73,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
         finally:
             pyfuse3.close(unmount=True)
             await fs.aclose()
+            await gc.end_session(volume)
             _remove_pid(pidfiles)
     finally:
         await volume.aclose()

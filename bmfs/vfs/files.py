@@ -28,7 +28,7 @@ import time
 import trio
 
 from ..config import MAX_FILE_SIZE
-from ..errors import IsDir, NotFound, TooBig
+from ..errors import FsError, IOFailure, IsDir, NotFound, TooBig
 from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
@@ -36,7 +36,8 @@ from ..meta.records import Inode, Slice, compact, visible
 from .views import INO_MASK, VIEW_SHIFT
 
 log = logging.getLogger(__name__)
-COMPACT_AT = 64  # slices per chunk before dropping shadowed ones
+COMPACT_AT = 64
+PIPELINE = 2  # full stripes of one file stored in the background at once  # slices per chunk before dropping shadowed ones
 # Chunks released per transaction when a big file is deleted or cut short: a chunk
 # costs up to ~33 operations (its slice list, and each stripe's record and GC entry),
 # and etcd limits a transaction's operations (--max-txn-ops, docs/etcd.md).
@@ -45,7 +46,7 @@ FREE_BATCH = 64
 
 class OpenFile:
     __slots__ = ("view", "ino", "opens", "lock", "buf", "buf_start", "size", "mtime_ns",
-                 "dirty", "stripes")
+                 "dirty", "stripes", "inflight", "last_commit", "error")
 
     def __init__(self, view, ino):
         self.view, self.ino = view, ino
@@ -57,6 +58,10 @@ class OpenFile:
         self.mtime_ns: int | None = None
         self.dirty = False
         self.stripes: dict[int, object] = {}  # stripe records seen (immutable but refs)
+        # write pipeline: stripes being stored in the background, committed in order
+        self.inflight = trio.Semaphore(PIPELINE)
+        self.last_commit: trio.Event | None = None
+        self.error: BaseException | None = None  # a background store failed: reported once
 
 
 class Handle:
@@ -83,6 +88,7 @@ class Files:
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._sid_next = self._sid_end = 0
+        self.nursery = None  # set by the mount daemon: background stripe stores run here
         # (view id, ino) -> stored (size, mtime, ctime) the kernel's inode reflects
         self.client: dict[tuple[int, int], tuple[int, int, int]] = {}
         # (view id, ino) -> layer of the o/ record: files this mount unlinked while open
@@ -234,10 +240,49 @@ class Files:
                 cut = (of.buf_start // self.stripe_size + 1) * self.stripe_size - of.buf_start
                 if len(of.buf) < cut:
                     break
-                await self._store(of, of.buf_start, memoryview(of.buf)[:cut])
+                await self._store_behind(of, of.buf_start, bytes(memoryview(of.buf)[:cut]))
                 del of.buf[:cut]
                 of.buf_start += cut
         return len(data)
+
+    async def _store_behind(self, of: OpenFile, start: int, data: bytes) -> None:
+        """Store a full stripe in the background (when the mount gave us a nursery):
+        encoding and fragment I/O of stripe n+1 overlap the commit of stripe n, while
+        the commits stay in file order (a later write must shadow an earlier one)."""
+        if self.nursery is None:
+            await self._store(of, start, memoryview(data))
+            return
+        self._raise_error(of)
+        await of.inflight.acquire()  # back-pressure: at most PIPELINE stripes in flight
+        prev, done = of.last_commit, trio.Event()
+        of.last_commit = done
+        self.nursery.start_soon(self._store_task, of, start, data, prev, done)
+
+    async def _store_task(self, of, start, data, prev, done) -> None:
+        try:
+            await self._store(of, start, memoryview(data), wait_for=prev)
+        except Exception as e:  # noqa: BLE001 - reported on the next write/flush/fsync/close
+            log.warning("storing %d bytes at %d of inode %d failed: %s", len(data), start,
+                        of.ino, e)
+            if of.error is None:
+                of.error = e
+        finally:
+            done.set()
+            of.inflight.release()
+
+    async def _drain(self, of: OpenFile) -> None:
+        """Wait until every stripe stored in the background is committed."""
+        if of.last_commit is not None:
+            await of.last_commit.wait()
+        self._raise_error(of)
+
+    @staticmethod
+    def _raise_error(of: OpenFile) -> None:
+        if of.error is not None:
+            e, of.error = of.error, None
+            if isinstance(e, FsError):
+                raise e
+            raise IOFailure(f"writing the file failed: {e}")
 
     async def _size(self, of: OpenFile) -> int:
         """The file's size, loading it into ``of.size`` when nothing is buffered."""
@@ -249,6 +294,7 @@ class Files:
         return of.size
 
     async def _flush_locked(self, of: OpenFile) -> None:
+        await self._drain(of)
         if of.buf:
             await self._store(of, of.buf_start, memoryview(of.buf))
             of.buf = bytearray()
@@ -259,12 +305,16 @@ class Files:
             of.size = None
             of.mtime_ns = None
 
-    async def _store(self, of: OpenFile, start: int, data: memoryview) -> None:
-        """Store ``data`` (within one chunk) as a new stripe and commit its slice."""
+    async def _store(self, of: OpenFile, start: int, data: memoryview,
+                     wait_for: trio.Event | None = None) -> None:
+        """Store ``data`` (within one chunk) as a new stripe and commit its slice (after
+        ``wait_for``: the commit of the stripe written before it)."""
         end = start + len(data)
         assert start // CHUNK_SIZE == (end - 1) // CHUNK_SIZE
         sid = await self._alloc_sid()
         st = await self.data.write_stripe(sid, data)
+        if wait_for is not None:
+            await wait_for.wait()
         mtime = of.mtime_ns or time.time_ns()
         idx, pos = divmod(start, CHUNK_SIZE)
         damaged = self.data.needs_repair(st) if st.kind else []
@@ -418,6 +468,8 @@ class Files:
         if of.buf and offset < of.buf_start + len(of.buf) and offset + size > of.buf_start:
             async with of.lock:
                 await self._flush_locked(of)
+        elif of.last_commit is not None and not of.last_commit.is_set():
+            await of.last_commit.wait()  # stripes still being stored may hold this range
         txn = self.kv.begin()
         chain = of.view.chain
         i = await ns.get_inode(txn, chain, of.ino)

@@ -100,3 +100,23 @@ def test_writes_survive_lost_devices_until_fewer_than_k(tmp_path):
         with pytest.raises(NoSpace, match="on 3 devices"):
             await client.write_stripe(13, data)
     trio.run(main)
+
+
+def test_placement_spreads_over_failure_domains():
+    from bmfs.data.placement import place_available
+    devices = list(range(9))
+    domains = {d: f"rack{d % 3}" for d in devices}
+    load = {d: 0 for d in devices}
+    for sid in range(1, 3001):
+        devs = place_available(sid, devices, 3, domains)
+        assert len({domains[d] for d in devs}) == 3, devs   # one fragment per rack
+        for d in devs:
+            load[d] += 1
+    assert max(load.values()) < 1.25 * min(load.values())  # spread evenly
+    # 6 fragments over 3 racks: two per rack, never two on one device
+    for sid in range(1, 200):
+        devs = place_available(sid, devices, 6, domains)
+        assert len(set(devs)) == 6
+        assert sorted(domains[d] for d in devs).count("rack0") == 2
+    # fewer devices than fragments: every fragment still placed
+    assert len(place_available(5, [1, 2], 3, {1: "a", 2: "b"})) == 3

@@ -11,6 +11,8 @@ def add_parser(sub):
     u.add_argument("--nodes", type=int, default=6)
     u.add_argument("--ec", default="4+2")
     u.add_argument("--meta", default="sqlite", help="sqlite (default) or etcd")
+    u.add_argument("--domains", type=int, default=0,
+                   help="put node i in failure domain i %% N (default: each node its own)")
     u.set_defaults(func=run_up)
     r = cs.add_parser("start", help="start nodes that are not running (or one node)")
     r.add_argument("dir")
@@ -31,7 +33,7 @@ def run_up(args) -> int:
         meta = etcd.start_for_cluster(args.dir)
     elif args.meta != "sqlite":
         raise ValueError(f"--meta is sqlite or etcd, not {args.meta!r}")
-    info = local.up(args.dir, args.nodes, k, m, meta)
+    info = local.up(args.dir, args.nodes, k, m, meta, args.domains)
     if args.meta == "etcd":
         etcd.record_in_cluster(args.dir)
     for n in info["nodes"]:

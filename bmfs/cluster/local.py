@@ -66,7 +66,10 @@ def start_node(directory: str, node: dict, fault: str | None = None) -> int:
     raise VolumeError(f"node{node['index']} did not start listening within 20 s")
 
 
-def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None) -> dict:
+def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None,
+       domains: int = 0) -> dict:
+    """Start ``nodes`` nodes; with ``domains`` > 0, node i is in failure domain
+    ``d{i % domains}`` (placement spreads a stripe's fragments over domains first)."""
     from ..vfs.volume import mkfs
     if os.path.exists(os.path.join(directory, CLUSTER_FILE)):
         raise VolumeError(f"{directory} already holds a cluster (bmfs cluster down first)")
@@ -81,8 +84,9 @@ def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None) -> d
     ports = free_ports(nodes)
     paths = [os.path.join(os.path.abspath(directory), f"node{i}", "dev") for i in range(nodes)]
     addrs = [f"127.0.0.1:{p}" for p in ports]
+    doms = [f"d{i % domains}" for i in range(nodes)] if domains else None
     settings = trio.run(lambda: mkfs(directory, k, m, devices=paths, meta=meta,
-                                     nodes=addrs))
+                                     nodes=addrs, domains=doms))
     info = {"volume": os.path.abspath(directory), "uuid": settings.uuid, "ec": f"{k}+{m}",
             "meta": meta or f"sqlite:{os.path.abspath(directory)}/meta.db", "nodes": []}
     try:

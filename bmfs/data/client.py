@@ -28,9 +28,10 @@ DECODED_CACHE = 8  # stripes (up to 8 x 4 MiB)
 
 class DataClient:
     def __init__(self, transport, devices: list[int], k: int, m: int, inline_max: int,
-                 on_damage=None):
+                 on_damage=None, domains: dict[int, str] | None = None):
         self.transport = transport
         self.devices = devices
+        self.domains = domains or {}
         self.k, self.m = k, m
         self.inline_max = inline_max
         self.on_damage = on_damage or (lambda sid, idx, why: None)
@@ -51,7 +52,7 @@ class DataClient:
             return frags, [fr.build_header(sid, i, k, m, f) for i, f in enumerate(frags)]
         frags, headers = await trio.to_thread.run_sync(encode)
         live = [d for d in self.devices if self.transport.is_up(d)] or list(self.devices)
-        devs = place_available(sid, live, k + m)
+        devs = place_available(sid, live, k + m, self.domains)
         stored = [NO_DEVICE] * (k + m)
         failed: set[int] = set()
 

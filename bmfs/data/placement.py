@@ -24,10 +24,28 @@ def place(sid: int, devices: list[int], n: int) -> list[int]:
     return sorted(devices, key=lambda d: _weight(sid, d), reverse=True)[:n]
 
 
-def place_available(sid: int, devices: list[int], n: int) -> list[int]:
-    """Like place, but with fewer than n devices some hold two fragments (spread later
-    by repair): a write still stores every fragment while nodes are down."""
-    if len(devices) >= n:
-        return place(sid, devices, n)
+def place_available(sid: int, devices: list[int], n: int,
+                    domains: dict[int, str] | None = None) -> list[int]:
+    """Like place, but over failure domains and tolerant of missing devices.
+
+    Fragments go to distinct failure domains first (a domain is a node, a rack...:
+    the ``domain`` of each device record), then to distinct devices; with fewer than
+    n devices some hold two fragments (spread later by repair), so a write still
+    stores every fragment while nodes are down."""
+    if not domains or len(set(domains.get(d, d) for d in devices)) >= len(devices):
+        if len(devices) >= n:
+            return place(sid, devices, n)
+        ranked = sorted(devices, key=lambda d: _weight(sid, d), reverse=True)
+        return [ranked[i % len(ranked)] for i in range(n)]
     ranked = sorted(devices, key=lambda d: _weight(sid, d), reverse=True)
-    return [ranked[i % len(ranked)] for i in range(n)]
+    out: list[int] = []
+    while len(out) < n:
+        used = set()
+        for d in ranked:  # one pass: at most one device per domain
+            dom = domains.get(d, d)
+            if d not in out and dom not in used and len(out) < n:
+                out.append(d)
+                used.add(dom)
+        if not any(d not in out for d in ranked):  # every device used: double up
+            out += ranked[:n - len(out)]
+    return out

@@ -65,7 +65,11 @@ async def repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: set
         if not candidates:
             log.warning("stripe %d fragment %d: no spare device; stays degraded", sid, i)
             continue
-        target = candidates[(sid + i) % len(candidates)]
+        doms = volume.data.domains
+        used = {doms.get(d, d) for d in holding}
+        fresh = [d for d in candidates if doms.get(d, d) not in used]  # a new failure domain
+        pool = fresh or candidates
+        target = pool[(sid + i) % len(pool)]
         head = fr.build_header(sid, i, st.k, st.m, frags[i])
         try:
             await volume.transport.put(target, fr.fragment_name(sid, i), [head, frags[i]])

@@ -44,7 +44,8 @@ def read_volume_file(path: str) -> dict:
 
 async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = None,
                meta: str | None = None, fragment_size: int = 1 << 20,
-               nodes: list[str] | None = None) -> VolumeSettings:
+               nodes: list[str] | None = None,
+               domains: list[str] | None = None) -> VolumeSettings:
     """Create a volume in directory ``path``. Raises VolumeError if one is there already."""
     if os.path.exists(os.path.join(path, VOLUME_FILE)):
         raise VolumeError(f"{path} already holds a bmfs volume")
@@ -67,8 +68,10 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
         txn = kv.begin()
         txn.put(keys.SETTINGS, json.dumps(settings.to_json()).encode())
         for i, d in enumerate(devices):
-            txn.put(keys.device(i), json.dumps(
-                {"path": d, "node": nodes[i] if nodes else "local"}).encode())
+            rec = {"path": d, "node": nodes[i] if nodes else "local"}
+            if domains:
+                rec["domain"] = domains[i]
+            txn.put(keys.device(i), json.dumps(rec).encode())
         now = time.time_ns()
         root = Inode(mode=0o40755, nlink=2, atime_ns=now, mtime_ns=now, ctime_ns=now)
         txn.put(keys.counter("ino"), b"%d" % (ROOT + 1))
@@ -155,8 +158,10 @@ class Volume:
             devs = sorted(dev for dev, rec in records.items()
                           if not rec.get("removed") and not rec.get("draining"))
             vol = cls(path, kv, settings, transport, None, paths)
+            domains = {dev: rec.get("domain") or rec.get("node", "local")
+                       for dev, rec in records.items()}
             vol.data = DataClient(transport, devs, settings.k, settings.m, settings.inline_max,
-                                  on_damage=vol._damaged)
+                                  on_damage=vol._damaged, domains=domains)
             return vol
         except BaseException:
             await kv.aclose()

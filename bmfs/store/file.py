@@ -2,8 +2,8 @@
 
 Layout: ``DEVICE`` (JSON: volume uuid, device id, format revision) and
 ``frags/<last two hex digits of the stripe id>/<stripe id>.<index>``. A fragment is
-written to a temporary name and renamed, so a crash never leaves half a fragment
-under its real name. ``sync()`` makes every fragment written since the last sync
+written in place: it is referenced only once the transaction recording its stripe
+commits, and a torn one fails its checksums. ``sync()`` makes every fragment written since the last sync
 durable: fsync of each file and directory, or one syncfs(2) when there are many.
 """
 from __future__ import annotations
@@ -55,13 +55,15 @@ class FileStore:
         return os.path.join(self.path, "frags", sid_hex[-2:], name)
 
     def write(self, name: str, parts) -> None:
+        # Written in place, not to a temporary name and renamed: a fragment is not
+        # referenced until the transaction recording its stripe commits after this, and
+        # a torn fragment fails its header or block checksums (and is swept or repaired).
         path = self._file(name)
-        tmp = path + ".tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         except FileNotFoundError:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             total = sum(len(p) for p in parts)
             n = os.writev(fd, parts)
@@ -69,7 +71,6 @@ class FileStore:
                 os.write(fd, b"".join(bytes(p) for p in parts)[n:])
         finally:
             os.close(fd)
-        os.rename(tmp, path)
         with self._lock:
             self._pending.add(path)
 

@@ -44,6 +44,41 @@ PIPELINE = 2  # full stripes of one file stored in the background at once  # sli
 FREE_BATCH = 64
 
 
+class WriteBuffer:
+    """Bytes written but not stored yet, kept as the pieces the kernel sent: no copy
+    until a stripe is cut out of them (fresh memory is slow to touch on these VMs)."""
+
+    __slots__ = ("pieces", "length")
+
+    def __init__(self):
+        self.pieces: list[bytes] = []
+        self.length = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def append(self, data) -> None:
+        self.pieces.append(data if isinstance(data, bytes) else bytes(data))
+        self.length += len(data)
+
+    def take(self, n: int) -> bytes:
+        """Remove and return the first ``n`` bytes."""
+        out, got = [], 0
+        while got < n:
+            p = self.pieces[0]
+            if got + len(p) <= n:
+                out.append(p)
+                got += len(p)
+                self.pieces.pop(0)
+            else:
+                cut = n - got
+                out.append(p[:cut])
+                self.pieces[0] = p[cut:]
+                got = n
+        self.length -= n
+        return out[0] if len(out) == 1 else b"".join(out)
+
+
 class OpenFile:
     __slots__ = ("view", "ino", "opens", "lock", "buf", "buf_start", "size", "mtime_ns",
                  "dirty", "stripes", "inflight", "last_commit", "error")
@@ -52,7 +87,7 @@ class OpenFile:
         self.view, self.ino = view, ino
         self.opens = 0
         self.lock = trio.Lock()
-        self.buf = bytearray()
+        self.buf = WriteBuffer()
         self.buf_start = 0
         self.size: int | None = None     # in-memory size while dirty
         self.mtime_ns: int | None = None
@@ -231,7 +266,7 @@ class Files:
             await self._size(of)
             if not of.buf:
                 of.buf_start = offset
-            of.buf += data
+            of.buf.append(data)
             of.size = max(of.size, offset + len(data))
             of.mtime_ns = time.time_ns()
             of.dirty = True
@@ -240,9 +275,9 @@ class Files:
                 cut = (of.buf_start // self.stripe_size + 1) * self.stripe_size - of.buf_start
                 if len(of.buf) < cut:
                     break
-                await self._store_behind(of, of.buf_start, bytes(memoryview(of.buf)[:cut]))
-                del of.buf[:cut]
+                start = of.buf_start
                 of.buf_start += cut
+                await self._store_behind(of, start, of.buf.take(cut))
         return len(data)
 
     async def _store_behind(self, of: OpenFile, start: int, data: bytes) -> None:
@@ -296,8 +331,8 @@ class Files:
     async def _flush_locked(self, of: OpenFile) -> None:
         await self._drain(of)
         if of.buf:
-            await self._store(of, of.buf_start, memoryview(of.buf))
-            of.buf = bytearray()
+            start = of.buf_start
+            await self._store(of, start, memoryview(of.buf.take(len(of.buf))))
         if of.dirty:
             # nothing buffered, but size/mtime may be ahead of the metadata (extending write
             # of zero bytes cannot happen; sparse extension happens through truncate)

@@ -256,3 +256,37 @@ def test_bad_branch_names(tmp_path):
         with raises(errno.ENOENT):
             await br.op_branch_create(fs.kv, "ok", source="nope")
     run(t, tmp_path)
+
+
+def test_clean_three_way_merge_and_reset(tmp_path):
+    async def t(fs):
+        a = await write_file(fs, ROOT, b"a", b"base a")
+        await write_file(fs, ROOT, b"b", b"base b")
+        d = await fs.mkdir(ROOT, b"dir", 0o755, 0, 0)
+        await br.op_snapshot_create(fs.kv, "before")
+        await br.op_branch_create(fs.kv, "x")
+        await fs.views.refresh()
+        x = await fs.views.add("branch", "x")
+        xr = x.id << 48 | ROOT
+        fh = await fs.open((await fs.lookup(xr, b"a")).ino, os.O_RDWR | os.O_TRUNC)
+        await fs.files.write(fh, 0, b"x changed a")
+        await fs.files.release(fh)
+        xd = (await fs.lookup(xr, b"dir")).ino
+        await write_file(fs, xd, b"from-x", b"1")
+        # main changes other things, including the same directory
+        fh = await fs.open((await fs.lookup(ROOT, b"b")).ino, os.O_RDWR | os.O_TRUNC)
+        await fs.files.write(fh, 0, b"main changed b")
+        await fs.files.release(fh)
+        await write_file(fs, d.ino, b"from-main", b"2")
+        r = await br.op_merge(fs.kv, "x", "main")
+        assert r["result"] == "merged" and r.get("conflicts_resolved") == 0
+        assert await read_file(fs, a) == b"x changed a"
+        assert await read_file(fs, (await fs.lookup(ROOT, b"b")).ino) == b"main changed b"
+        assert sorted(n for n, _ in await fs.readdir(d.ino)) == [b"from-main", b"from-x"]
+        assert (await fs.getattr(d.ino)).nlink == 2
+        # reset main to the snapshot: everything since is gone from main
+        await br.op_branch_reset(fs.kv, "main", "before")
+        await fs.views.refresh()
+        assert await read_file(fs, (await fs.lookup(ROOT, b"a")).ino) == b"base a"
+        assert await fs.readdir((await fs.lookup(ROOT, b"dir")).ino) == []
+    run(t, tmp_path)

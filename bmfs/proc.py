@@ -1,7 +1,6 @@
 """Process helpers shared by the CLI and the cluster launcher."""
 from __future__ import annotations
 
-import os
 
 
 def alive(pid: int) -> bool:

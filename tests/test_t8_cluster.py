@@ -8,7 +8,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 
 import pytest

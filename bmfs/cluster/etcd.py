@@ -22,29 +22,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 
 from ..errors import VolumeError
+from .local import free_ports  # noqa: F401  (also used by tests/etcd_cluster.py)
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 MAX_TXN_OPS = 10000
 MAX_REQUEST_BYTES = 10 << 20
 MEMBERS_FILE = "members.json"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _post(endpoint: str, path: str, body: dict, timeout: float = 2.0) -> dict:

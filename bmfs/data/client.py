@@ -215,20 +215,8 @@ class DataClient:
         hlen = fr.header_length(st.frag_len)
         b0 = p0 // fr.BLOCK
         b1 = min((p0 + n + fr.BLOCK - 1) // fr.BLOCK * fr.BLOCK, st.frag_len)
-        name = fr.fragment_name(sid, index)
-        try:
-            head, blocks = await self.transport.read(
-                dev, name, [(0, hlen), (hlen + b0 * fr.BLOCK, b1 - b0 * fr.BLOCK)])
-            table = fr.parse_header(head, sid, index, st.frag_len)
-            if len(blocks) != b1 - b0 * fr.BLOCK:
-                raise fr.CorruptFragment("truncated payload")
-            fr.check_blocks(table, b0, blocks)
-        except fr.CorruptFragment as e:
-            self._damaged(sid, index, f"corrupt: {e}")
-            raise
-        except DeviceError as e:
-            self._damaged(sid, index, f"unreadable: {e}")
-            raise
+        blocks = await self._read_checked(sid, st, index, dev, hlen, b0,
+                                          b1 - b0 * fr.BLOCK)
         off = p0 - b0 * fr.BLOCK
         out = blocks[off:off + n]
         return out if isinstance(out, bytes) else bytes(out)
@@ -237,15 +225,22 @@ class DataClient:
         dev = st.devices[index]
         if dev == NO_DEVICE:
             raise _Missing()
-        hlen = fr.header_length(st.frag_len)
-        name = fr.fragment_name(sid, index)
+        payload = await self._read_checked(sid, st, index, dev,
+                                           fr.header_length(st.frag_len), 0, st.frag_len)
+        return payload if isinstance(payload, bytes) else bytes(payload)
+
+    async def _read_checked(self, sid, st, index, dev, hlen, first_block, length):
+        """``length`` payload bytes of a fragment from block ``first_block`` on, with its
+        header and those blocks' checksums verified; damage is reported, then raised."""
         try:
-            head, payload = await self.transport.read(dev, name, [(0, hlen), (hlen, st.frag_len)])
+            head, data = await self.transport.read(
+                dev, fr.fragment_name(sid, index),
+                [(0, hlen), (hlen + first_block * fr.BLOCK, length)])
             table = fr.parse_header(head, sid, index, st.frag_len)
-            if len(payload) != st.frag_len:
+            if len(data) != length:
                 raise fr.CorruptFragment("truncated payload")
-            fr.check_blocks(table, 0, payload)
-            return payload if isinstance(payload, bytes) else bytes(payload)
+            fr.check_blocks(table, first_block, data)
+            return data
         except fr.CorruptFragment as e:
             self._damaged(sid, index, f"corrupt: {e}")
             raise

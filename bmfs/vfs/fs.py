@@ -22,7 +22,7 @@ from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.records import Inode
 from .files import Files
-from .views import (CTL_BRANCHES, CTL_FILE, CTL_NAME, CTL_ROOT, CTL_SNAPSHOTS, CTL_VIEW,
+from .views import (CTL_FILE, CTL_NAME, CTL_ROOT, CTL_VIEW,
                     INO_MASK, VIEW_SHIFT, Views)
 
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2

@@ -5,7 +5,6 @@ import json
 import os
 import time
 
-import trio
 
 from ..meta import keys
 from ..meta.records import Stripe

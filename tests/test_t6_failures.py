@@ -412,3 +412,28 @@ def test_three_devices_gone_refuses_to_mount_and_loses_nothing(mnt):
         read_back(mnt.mp, want)
         assert all(d["health"] == "ok" for d in status_json(mnt.mp)["devices"])
     assert_fsck_clean(vol)
+
+
+def test_background_repair_rebuilds_lost_fragments(volume, tmp_path, monkeypatch):
+    """A single-owner mount repairs what reads found missing, without being asked."""
+    monkeypatch.setenv("BMFS_REPAIR_ROUNDS", "1")  # every GC round (5 s) instead of 30 s
+    data = os.urandom(9 << 20)
+    with Mounted(volume, tmp_path / "m") as m:
+        with open(f"{m.mp}/f", "wb") as f:
+            f.write(data)
+        frags = os.path.join(str(volume), "dev2", "frags")
+        lost = [os.path.join(frags, d, n) for d in os.listdir(frags)
+                for n in os.listdir(os.path.join(frags, d))]
+        assert lost
+        for p in lost:
+            os.unlink(p)
+        subprocess.run(["sync"])
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")  # read from bmfs, not the kernel's page cache
+        assert open(f"{m.mp}/f", "rb").read() == data  # degraded, and the damage is noted
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(os.path.exists(p) for p in lost):
+            time.sleep(0.5)
+        assert all(os.path.exists(p) for p in lost), "the lost fragments were not rebuilt"
+    res = fsck(volume, "--full")
+    assert res.returncode == 0, res.stdout

@@ -39,6 +39,7 @@ class DataClient:
         # the last stripes decoded by degraded reads: a sequential reader asks for the
         # same stripe several times (one request per MiB or less), decode it once
         self._decoded: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()
+        self._decoding: dict[int, trio.Event] = {}  # stripes being decoded right now
 
     # -- writes ---------------------------------------------------------------------------
     async def write_stripe(self, sid: int, data) -> Stripe:
@@ -255,7 +256,17 @@ class DataClient:
         if cached is not None:
             self._decoded.move_to_end(sid)
             return cached
-        data = await self._decode_stripe(sid, st)
+        busy = self._decoding.get(sid)
+        if busy is not None:  # read-ahead asks for the same stripe concurrently: wait
+            await busy.wait()
+            if sid in self._decoded:
+                return self._decoded[sid]
+        done = self._decoding[sid] = trio.Event()
+        try:
+            data = await self._decode_stripe(sid, st)
+        finally:
+            del self._decoding[sid]
+            done.set()
         self._decoded[sid] = data
         if len(self._decoded) > DECODED_CACHE:
             self._decoded.popitem(last=False)

@@ -31,6 +31,7 @@ from .ops import Operations
 
 log = logging.getLogger(__name__)
 GC_INTERVAL = 5.0
+REPAIR_EVERY = int(os.environ.get("BMFS_REPAIR_ROUNDS", 6))  # GC rounds between repairs
 
 
 def pid_file(volume_path: str, mountpoint: str) -> str:
@@ -100,14 +101,26 @@ def _remove_pid(paths: list[str]) -> None:
 
 
 async def _gc_loop(fs):
+    """Background upkeep: record damage seen by reads, delete garbage stripes, free
+    orphans of dead mounts (etcd), and every REPAIR_EVERY rounds repair the fragments
+    queued as missing or corrupt. Background repair runs on single-owner volumes only:
+    on a shared (etcd) volume two mounts could rebuild one fragment twice, so there
+    `bmfs repair` is run from one mount (docs/operations.md)."""
     shared = hasattr(fs.kv, "grant_lease")  # other mounts may die holding orphans
+    rounds = 0
     while True:
         await trio.sleep(GC_INTERVAL)
+        rounds += 1
         try:
             await fs.volume.record_damage()
             await fs.volume_gc()
             if shared:
                 await session.sweep_orphans(fs)
+            elif rounds % REPAIR_EVERY == 0 and await fs.kv.range(b"h/", b"h0", 1):
+                from ..vfs.repair import repair
+                result = await repair(fs.volume)
+                if result["fragments_rebuilt"] or result["stripes_failed"]:
+                    log.warning("background repair: %s", result)
         except FsError as e:  # e.g. the metadata store is unreachable: no traceback
             log.warning("garbage collection failed (%s); will retry", e)
         except Exception:

@@ -10,6 +10,7 @@ transaction that dropped its last reference).
 from __future__ import annotations
 
 import json
+import stat
 
 from ..kv import Txn
 from . import keys
@@ -110,7 +111,8 @@ async def delete_inode(txn: Txn, chain: Chain, ino: int, inode: Inode) -> None:
         await drop_file_data(txn, chain, ino)
     for sub, _ in await lscan(txn, chain, keys.xattr_prefix(ino)):
         await ldel(txn, chain, sub)
-    await ldel(txn, chain, keys.symlink(ino))
+    if stat.S_ISLNK(inode.mode):
+        await ldel(txn, chain, keys.symlink(ino))
     await ldel(txn, chain, keys.inode(ino))
 
 

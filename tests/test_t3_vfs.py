@@ -290,3 +290,37 @@ def test_clean_three_way_merge_and_reset(tmp_path):
         assert await read_file(fs, (await fs.lookup(ROOT, b"a")).ino) == b"base a"
         assert await fs.readdir((await fs.lookup(ROOT, b"dir")).ino) == []
     run(t, tmp_path)
+
+
+def test_reads_see_data_still_being_stored_in_the_background(tmp_path):
+    """With the write pipeline on, a read of a range whose stripe is queued or being
+    stored must wait for it, never return what was there before (found by stress-ng:
+    the third stripe left the buffer while its writer waited for a pipeline slot)."""
+    async def t(fs):
+        stripe = fs.volume.settings.stripe_size
+        real = fs.volume.data.write_stripe
+
+        async def slow_write_stripe(sid, data):
+            await trio.sleep(0.2)  # a slow device: stripes pile up in the pipeline
+            return await real(sid, data)
+        fs.volume.data.write_stripe = slow_write_stripe
+        blocks = [bytes([i + 1]) * stripe for i in range(3)]
+        seen = []
+        async with trio.open_nursery() as nursery:
+            fs.files.nursery = nursery
+            fh, a = await fs.create_file(ROOT, b"f", 0o644, os.O_RDWR, 0, 0)
+
+            async def writer():
+                for i, b in enumerate(blocks):
+                    await fs.files.write(fh, i * stripe, b)
+
+            async def reader():
+                await trio.sleep(0.1)  # two stripes in flight, the third waiting a slot
+                seen.append(await fs.files.read(fh, 2 * stripe + 100, 10))
+            nursery.start_soon(writer)
+            nursery.start_soon(reader)
+        fs.files.nursery = None
+        assert seen == [bytes([3]) * 10]
+        await fs.files.release(fh)
+        assert await read_file(fs, a.ino) == b"".join(blocks)
+    run(t, tmp_path)

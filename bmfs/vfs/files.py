@@ -275,22 +275,29 @@ class Files:
                 cut = (of.buf_start // self.stripe_size + 1) * self.stripe_size - of.buf_start
                 if len(of.buf) < cut:
                     break
-                start = of.buf_start
-                of.buf_start += cut
-                await self._store_behind(of, start, of.buf.take(cut))
+                await self._store_behind(of, cut)
         return len(data)
 
-    async def _store_behind(self, of: OpenFile, start: int, data: bytes) -> None:
-        """Store a full stripe in the background (when the mount gave us a nursery):
-        encoding and fragment I/O of stripe n+1 overlap the commit of stripe n, while
-        the commits stay in file order (a later write must shadow an earlier one)."""
+    async def _store_behind(self, of: OpenFile, n: int) -> None:
+        """Store the first ``n`` buffered bytes (a full stripe) in the background, when the
+        mount gave us a nursery: encoding and fragment I/O of stripe n+1 overlap the
+        commit of stripe n, while the commits stay in file order (a later write must
+        shadow an earlier one). Called with ``of.lock`` held."""
         if self.nursery is None:
+            start = of.buf_start
+            data = of.buf.take(n)
+            of.buf_start += n
             await self._store(of, start, memoryview(data))
             return
         self._raise_error(of)
         await of.inflight.acquire()  # back-pressure: at most PIPELINE stripes in flight
+        # no await from here on: the bytes leave the buffer and the event readers wait
+        # for appears in one step, so a reader never finds them in neither place
         prev, done = of.last_commit, trio.Event()
         of.last_commit = done
+        start = of.buf_start
+        data = of.buf.take(n)
+        of.buf_start += n
         self.nursery.start_soon(self._store_task, of, start, data, prev, done)
 
     async def _store_task(self, of, start, data, prev, done) -> None:
@@ -500,11 +507,15 @@ class Files:
     # -- reading ----------------------------------------------------------------------------
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         of = self.handles[fh].of
-        if of.buf and offset < of.buf_start + len(of.buf) and offset + size > of.buf_start:
+        if of.buf or of.lock.locked() or (of.last_commit is not None
+                                          and not of.last_commit.is_set()):
+            # written data not committed yet (buffered, being stored, or being flushed
+            # by another request): take the lock, so the bytes are never in limbo
             async with of.lock:
-                await self._flush_locked(of)
-        elif of.last_commit is not None and not of.last_commit.is_set():
-            await of.last_commit.wait()  # stripes still being stored may hold this range
+                await self._drain(of)
+                if of.buf and offset < of.buf_start + len(of.buf) and \
+                        offset + size > of.buf_start:
+                    await self._flush_locked(of)
         txn = self.kv.begin()
         chain = of.view.chain
         i = await ns.get_inode(txn, chain, of.ino)

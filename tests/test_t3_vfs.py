@@ -129,6 +129,12 @@ def test_xattrs(tmp_path):
         ino = await write_file(fs, ROOT, b"f", b"")
         await fs.setxattr(ino, b"user.bm.type", b"npy")
         assert await fs.getxattr(ino, b"user.bm.type") == b"npy"
+        with raises(errno.EEXIST):
+            await fs.setxattr(ino, b"user.bm.type", b"x", 1)   # XATTR_CREATE
+        with raises(errno.ENODATA):
+            await fs.setxattr(ino, b"user.other", b"x", 2)     # XATTR_REPLACE
+        with raises(errno.EOPNOTSUPP):
+            await fs.setxattr(ino, b"security.capability", b"x")
         assert await fs.listxattr(ino) == [b"user.bm.type"]
         await fs.removexattr(ino, b"user.bm.type")
         with raises(errno.ENODATA):

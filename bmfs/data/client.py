@@ -40,13 +40,18 @@ class DataClient:
         # same stripe several times (one request per MiB or less), decode it once
         self._decoded: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()
         self._decoding: dict[int, trio.Event] = {}  # stripes being decoded right now
+        # stripes whose fragments are being written or whose record is not committed
+        # yet (the writer discards them after its commit): the leak sweep skips them
+        self.uncommitted: set[int] = set()
 
     # -- writes ---------------------------------------------------------------------------
     async def write_stripe(self, sid: int, data) -> Stripe:
-        """Store ``data`` as stripe ``sid``; returns its record (refs 0)."""
+        """Store ``data`` as stripe ``sid``; returns its record (refs 0). The caller
+        discards ``sid`` from ``uncommitted`` once the record is committed (or dropped)."""
         if len(data) <= self.inline_max:
             return Stripe(INLINE, len(data), data=bytes(data))
         k, m = self.k, self.m
+        self.uncommitted.add(sid)
         cd = codec(k, m)
         def encode():  # one hop to a worker thread for the CPU work of a stripe
             frags = cd.encode(data)

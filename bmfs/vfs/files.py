@@ -354,6 +354,13 @@ class Files:
         end = start + len(data)
         assert start // CHUNK_SIZE == (end - 1) // CHUNK_SIZE
         sid = await self._alloc_sid()
+        try:
+            await self._store_stripe(of, start, data, sid, wait_for)
+        finally:
+            self.data.uncommitted.discard(sid)  # committed, or never will be
+
+    async def _store_stripe(self, of, start, data, sid, wait_for) -> None:
+        end = start + len(data)
         st = await self.data.write_stripe(sid, data)
         if wait_for is not None:
             await wait_for.wait()

@@ -31,14 +31,25 @@ MOUNTED = b"v/mounted"  # present while a single-owner volume is mounted
 
 
 async def sweep_leaked(volume) -> int:
-    """Delete fragment files no stripe owns (left by writes a crash interrupted).
+    """Delete fragment files no stripe owns: left by writes a crash interrupted, or by a
+    PUT a node stored but could not acknowledge before it died (the client then stored
+    that fragment elsewhere).
 
-    Only safe when nobody else can be writing: the single-owner engines (sqlite,
-    memory) while this process holds the volume. A fragment is written before the
-    transaction that records its stripe, so a crash in between leaves it unowned.
+    Only for the single-owner engines (sqlite, memory), whose only writer is this
+    process: it may run while mounted because stripes this process is writing are
+    skipped. Order matters: list the devices first, then note the stripes in flight,
+    then read which stripes the metadata owns; a stripe is dropped from "in flight"
+    only after its record is committed, so nothing being written is taken for a leak.
     """
     from ..data import fragment as fr
     from ..transport import DeviceError
+    listed: dict[int, list[str]] = {}
+    for dev in sorted(volume.device_paths):
+        try:
+            listed[dev] = await volume.transport.names(dev)
+        except DeviceError:
+            continue
+    in_flight = set(volume.data.uncommitted)
     owned: dict[int, set[str]] = {}
     for prefix in (b"t/", b"g/"):
         for k, v in await volume.kv.range(prefix, prefix[:1] + b"0"):
@@ -46,15 +57,14 @@ async def sweep_leaked(volume) -> int:
             for i, dev in enumerate(st.devices):
                 owned.setdefault(dev, set()).add(fr.fragment_name(int(k[2:], 16), i))
     deleted = 0
-    for dev in sorted(volume.device_paths):
-        try:
-            names = await volume.transport.names(dev)
-        except DeviceError:
-            continue
+    for dev, names in listed.items():
         for name in names:
-            if name not in owned.get(dev, ()):
-                await volume.transport.delete(dev, name)
-                deleted += 1
+            if name not in owned.get(dev, ()) and int(name.split(".")[0], 16) not in in_flight:
+                try:
+                    await volume.transport.delete(dev, name)
+                    deleted += 1
+                except DeviceError:
+                    pass
     return deleted
 
 

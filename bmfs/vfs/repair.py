@@ -52,6 +52,14 @@ def _bad(volume, st: Stripe, queued: set[int], avoid: set[int]) -> list[int]:
 
 async def repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: set[int]) -> int:
     """Rebuild fragments ``bad`` of one stripe; returns how many were moved."""
+    volume.data.uncommitted.add(sid)  # new fragments not in the record yet: not leaks
+    try:
+        return await _repair_stripe(volume, sid, st, bad, avoid)
+    finally:
+        volume.data.uncommitted.discard(sid)
+
+
+async def _repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: set[int]) -> int:
     data = await volume.data.read(sid, st, 0, st.length)
     frags = await trio.to_thread.run_sync(codec(st.k, st.m).encode, data)
     if len(frags[0]) != st.frag_len:
@@ -123,7 +131,14 @@ async def repair(volume, avoid: set[int] | None = None, progress=None) -> dict:
             log.warning("repair of stripe %d failed: %s", sid, e)
         if progress:
             progress(n, len(todo))
-    return {"stripes": len(todo), "fragments_rebuilt": moved, "stripes_failed": failed}
+    swept = 0
+    if volume.kv.single_writer:
+        # copies a node stored but could not acknowledge before dying (the client put
+        # them elsewhere), and what repair moved away from devices that were down
+        from .gc import sweep_leaked
+        swept = await sweep_leaked(volume)
+    return {"stripes": len(todo), "fragments_rebuilt": moved, "stripes_failed": failed,
+            "stale_fragments_deleted": swept}
 
 
 async def scrub(volume, progress=None) -> dict:

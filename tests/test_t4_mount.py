@@ -306,3 +306,19 @@ def test_mount_t_fuse_bmfs_and_fstab(volume, tmp_path):
     finally:
         bmfs("umount", mp)
     assert_fsck_clean(volume)
+
+
+def test_branch_commands_find_the_mount(mnt, tmp_path):
+    """From inside the mount, with -m, or (one mount up) from anywhere."""
+    sub = os.path.join(mnt.mp, "d")
+    os.mkdir(sub)
+    r = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "branch", "create", "a"],
+                       cwd=sub, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    bmfs("branch", "create", "b", "-m", mnt.mp)
+    r = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "branch", "create", "c"],
+                       cwd="/", capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(f"{mnt.mp}/.bm/branches")) == ["a", "b", "c", "main"]
+    r = bmfs("branch", "create", "bad name", "-m", mnt.mp, check=False)
+    assert r.returncode == 2 and "invalid branch name" in r.stderr and "Traceback" not in r.stderr

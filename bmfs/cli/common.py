@@ -38,7 +38,12 @@ def mount_root_of(path: str) -> str:
             if best is None or len(mp) > len(best):
                 best = mp
     if best is None:
-        raise UserError(f"{path} is not inside a bmfs mount (give -m MOUNTPOINT)")
+        only = {m["mountpoint"] for m in mounts()}
+        if len(only) == 1:  # not inside a mount, but there is just one: use it
+            return only.pop()
+        raise UserError(f"{path} is not inside a bmfs mount and "
+                        f"{'no' if not only else 'more than one'} bmfs mount is up "
+                        f"(give -m MOUNTPOINT)")
     return best
 
 

@@ -55,18 +55,18 @@ def first_bad_field(buf):
     pos, end = 0, len(buf)
     while pos < end:
         start = pos
-        key, pos = _varint(buf, pos, end)
+        key, pos = read_varint(buf, pos, end)
         if key is None or key >> 3 == 0:
             return start
         wire_type = key & 7
         if wire_type == 0:
-            value, pos = _varint(buf, pos, end)
+            value, pos = read_varint(buf, pos, end)
             if value is None:
                 return start
         elif wire_type == 1:
             pos += 8
         elif wire_type == 2:
-            length, pos = _varint(buf, pos, end)
+            length, pos = read_varint(buf, pos, end)
             if length is None:
                 return start
             pos += length
@@ -79,7 +79,8 @@ def first_bad_field(buf):
     return None
 
 
-def _varint(buf, pos, end):
+def read_varint(buf, pos, end):
+    """Decode a varint at buf[pos:end]: (value, position after it), or (None, pos)."""
     value = shift = 0
     while pos < end and shift < 64:
         b = buf[pos]

@@ -54,7 +54,7 @@ from google.protobuf.message import DecodeError
 from bmfs.typed import registry
 from bmfs.typed.errors import (
     CorruptFile, MissingIndex, NotSupportedHere, TypeMismatch, from_os_error)
-from bmfs.typed.proto_view import first_bad_field
+from bmfs.typed.proto_view import first_bad_field, read_varint
 
 MAGIC = b"BMRECS\r\n"
 END_MAGIC = b"BMRECIDX"
@@ -81,19 +81,6 @@ def _varint(n):
         n >>= 7
     out.append(n)
     return bytes(out)
-
-
-def _read_varint(buf, pos, end):
-    """Decode a varint at buf[pos:end]; return (value, position after it) or None."""
-    value = shift = 0
-    while pos < end and shift < 64:
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, pos
-        shift += 7
-    return None
 
 
 # --- writing ----------------------------------------------------------------------------
@@ -418,13 +405,13 @@ class RecordFile(collections.abc.Sequence):
             raise CorruptFile(self.path, f"record {self._number(start)} "
                                          f"spans {start}..{end}, outside the records "
                                          f"section {self._lo}..{self._hi}", start)
-        decoded = _read_varint(self._mv, start, end)
-        if decoded is None or decoded[1] + decoded[0] != end:
-            said = "an unreadable length" if decoded is None else f"{decoded[0]} bytes"
+        length, body = read_varint(self._mv, start, end)
+        if length is None or body + length != end:
+            said = "an unreadable length" if length is None else f"{length} bytes"
             raise CorruptFile(self.path, f"record {self._number(start)}: its length prefix "
                                          f"says {said} but the index gives it "
                                          f"{end - start} bytes in all", start)
-        return decoded[1]
+        return body
 
     def _record(self, start, end):
         body = self._body(start, end)

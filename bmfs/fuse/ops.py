@@ -42,6 +42,14 @@ def _entry(a: Attr, timeout: float) -> pyfuse3.EntryAttributes:
     return e
 
 
+# pyfuse3 SetattrFields flag -> vfs setattr keyword -> EntryAttributes field
+_SETATTR = (("update_mode", "mode", "st_mode"), ("update_uid", "uid", "st_uid"),
+            ("update_gid", "gid", "st_gid"), ("update_size", "size", "st_size"),
+            ("update_atime", "atime_ns", "st_atime_ns"),
+            ("update_mtime", "mtime_ns", "st_mtime_ns"),
+            ("update_ctime", "ctime_ns", "st_ctime_ns"))
+
+
 def translate(fn):
     @functools.wraps(fn)
     async def wrapper(*args, **kw):
@@ -228,21 +236,8 @@ class Operations(pyfuse3.Operations):
 
     @translate
     async def setattr(self, inode, attr, fields, fh, ctx):
-        kw = {}
-        if fields.update_mode:
-            kw["mode"] = attr.st_mode
-        if fields.update_uid:
-            kw["uid"] = attr.st_uid
-        if fields.update_gid:
-            kw["gid"] = attr.st_gid
-        if fields.update_size:
-            kw["size"] = attr.st_size
-        if fields.update_atime:
-            kw["atime_ns"] = attr.st_atime_ns
-        if fields.update_mtime:
-            kw["mtime_ns"] = attr.st_mtime_ns
-        if getattr(fields, "update_ctime", False):
-            kw["ctime_ns"] = attr.st_ctime_ns
+        kw = {name: getattr(attr, st) for flag, name, st in _SETATTR
+              if getattr(fields, flag, False)}
         return self._e(await self.fs.setattr(inode, **kw))
 
     @translate

@@ -231,3 +231,57 @@ def test_watch_ends_when_quorum_is_lost(etcd_cluster):
     finally:
         etcd_cluster.restart(0)
         etcd_cluster.restart(1)
+
+
+def test_read_cache_two_clients(etcd_cluster):
+    """Client A reads through its cache; client B changes what A cached. A's reads are
+    never committed on stale values, a barrier makes B's commits visible, and the cache
+    keeps up (losslessly) when the member its watch talks to is killed."""
+    etcd_cluster.wipe()
+    victim = []
+
+    async def main(a):
+        b = await EtcdKV.create(etcd_cluster.url, cache=False)
+        try:
+            with trio.fail_after(5):
+                while not a.cache.live:
+                    await trio.sleep(0.01)
+            assert await a.transact(_incr) == 1        # a caches ctr at 1
+            t = a.begin()
+            assert await t.get(b"ctr") == b"1"
+            reads = a.cache.hits
+            assert await a.begin().get(b"ctr") == b"1"
+            assert a.cache.hits == reads + 1           # answered from the cache
+            for _ in range(3):
+                await b.transact(_incr)                # b moves ctr to 4 behind a's back
+            # a stale read in a transaction cannot commit; transact retries it afresh
+            assert await a.transact(_incr) == 5
+            await b.transact(_incr)                    # 6
+            await a.barrier()                          # close-to-open
+            assert await a.begin().get(b"ctr") == b"6"
+            assert await a.get(b"ctr") == b"6"         # get outside a txn: always fresh
+            # absent keys are cached too, and a creation elsewhere reaches the cache
+            assert await a.begin().get(b"new") is None
+            t = b.begin()
+            t.put(b"new", b"x")
+            await b.commit(t)
+            await a.barrier()
+            assert await a.begin().get(b"new") == b"x"
+            # kill the member a's cache watch talks to: the watch resumes elsewhere,
+            # later changes by b still reach a's cache
+            victim.append(a._cur)
+            etcd_cluster.kill(victim[0])
+            for _ in range(5):
+                await b.transact(_incr)                # 11
+            with trio.fail_after(15):
+                await a.barrier()
+                while (await a.begin().get(b"ctr")) != b"11":
+                    await trio.sleep(0.05)
+            assert a.cache.live and await a.transact(_incr) == 12
+        finally:
+            await b.aclose()
+    try:
+        run(etcd_cluster, main)
+    finally:
+        if victim:
+            etcd_cluster.restart(victim[0])

@@ -10,6 +10,12 @@ This is exactly what etcd's Txn offers, so the namespace above works unchanged o
 Engines implement five primitives (``_get``, ``_range``, ``_commit``, ``sync``,
 ``aclose``) and may add ``watch``. Everything else (retries, range reads merged with
 a transaction's own writes) is written once here.
+
+Freshness: an engine may answer reads inside a transaction from a cache (etcd does,
+bmfs/kv/etcd_cache.py): the commit compares every revision read, so a stale read can
+only make it conflict and retry. Reads of a transaction that is never committed
+reflect at least every commit made before the engine's last ``barrier()``; ``get``
+outside a transaction is always fresh.
 """
 from __future__ import annotations
 
@@ -85,9 +91,18 @@ class KV(abc.ABC):
     def begin(self) -> "Txn":
         return Txn(self)
 
+    async def _get_fresh(self, key: bytes) -> tuple[bytes | None, int]:
+        """Like ``_get``, bypassing any read cache the engine keeps."""
+        return await self._get(key)
+
+    async def barrier(self) -> None:
+        """Close-to-open: after this, reads (also cached ones in transactions) reflect
+        every commit made, by any client, before it was called. Engines whose reads
+        are never stale need do nothing."""
+
     async def get(self, key: bytes) -> bytes | None:
-        """Latest committed value, outside any transaction."""
-        return (await self._get(key))[0]
+        """Latest committed value, outside any transaction (never from a cache)."""
+        return (await self._get_fresh(key))[0]
 
     async def range(self, start: bytes, end: bytes, limit: int = 0) -> list[tuple[bytes, bytes]]:
         return [(k, v) for k, v, _ in await self._range(start, end, limit)]

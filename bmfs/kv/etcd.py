@@ -64,6 +64,7 @@ import trio
 
 from ..errors import Conflict, IOFailure, NotFound, Unavailable
 from . import KV, prefix_end
+from .etcd_cache import ReadCache
 
 RESERVED = b"\xff\xff\xff\xff"  # engine-private keys: every key >= RESERVED
 REQ_PREFIX = RESERVED + b"r/"   # request ids of commits: REQ_PREFIX + 32 hex digits
@@ -82,6 +83,11 @@ def _unb64(text: str | None) -> bytes:
 def _rows(data: dict) -> list[tuple[bytes, bytes, int]]:
     return [(_unb64(kv["key"]), _unb64(kv.get("value")), int(kv["mod_revision"]))
             for kv in data.get("kvs", ())]
+
+
+def _revision(data: dict) -> int:
+    """The etcd revision an answer reflects."""
+    return int(data["header"]["revision"])
 
 
 def _too_big(msg: str) -> str:
@@ -126,11 +132,15 @@ class EtcdKV(KV):
         # key -> hash(value) of writes of this client that no watch has seen yet;
         # None until a watch with skip_own=True asks for it (see the module doc)
         self._own: dict[bytes, int] | None = None
+        self.cache = ReadCache()  # live once start_cache() has its watch running
+        self._cache_scope: trio.CancelScope | None = None
+        self._cache_watch_scope = trio.CancelScope()
 
     @classmethod
     async def create(cls, url: str, *, timeout: float = 10.0, request_timeout: float = 2.0,
-                     connect_timeout: float = 3.0) -> "EtcdKV":
-        """Connect to the cluster named by ``etcd://host:port,host:port,...``.
+                     connect_timeout: float = 3.0, cache: bool = True) -> "EtcdKV":
+        """Connect to the cluster named by ``etcd://host:port,host:port,...``; with
+        ``cache``, keep a read cache (bmfs/kv/etcd_cache.py).
 
         Raises:
             ValueError: the URL names no endpoint.
@@ -148,6 +158,8 @@ class EtcdKV(KV):
             await kv.aclose()
             raise
         kv.request_timeout = request_timeout
+        if cache:
+            kv.start_cache()
         return kv
 
     # -- transport ---------------------------------------------------------------------
@@ -225,15 +237,26 @@ class EtcdKV(KV):
 
     # -- the KV primitives -------------------------------------------------------------
     async def _get(self, key):
-        rows = _rows(await self._call("/v3/kv/range", {"key": _b64(key)}))
-        return (rows[0][1], rows[0][2]) if rows else (None, 0)
+        hit = self.cache.lookup(key)
+        return hit if hit is not None else await self._get_fresh(key)
+
+    async def _get_fresh(self, key):
+        data = await self._call("/v3/kv/range", {"key": _b64(key)})
+        rows = _rows(data)
+        value, rev = (rows[0][1], rows[0][2]) if rows else (None, 0)
+        self.cache.fetched(key, value, rev, _revision(data))
+        return value, rev
 
     async def _range(self, start, end, limit):
         end = RESERVED if not end or end > RESERVED else end
         if (start or b"\0") >= end:
             return []
         body = {"key": _b64(start or b"\0"), "range_end": _b64(end), "limit": limit}
-        return _rows(await self._call("/v3/kv/range", body))
+        data = await self._call("/v3/kv/range", body)
+        rows, at = _rows(data), _revision(data)
+        for k, v, rev in rows:
+            self.cache.fetched(k, v, rev, at)
+        return rows
 
     async def _commit(self, reads, writes):
         """One etcd Txn; see the module docstring for how retries stay idempotent.
@@ -272,19 +295,29 @@ class EtcdKV(KV):
             if not data.get("succeeded"):  # the gateway omits "succeeded": false
                 if not data["responses"][0]["response_range"].get("kvs"):
                     raise Conflict("etcd: a compared revision changed")
+                # an earlier attempt committed: its revision is the request id's
+                rev = int(data["responses"][0]["response_range"]["kvs"][0]["mod_revision"])
+            else:
+                rev = _revision(data)
         except BaseException:
             if own is not None:  # nothing was written (or, if unknown, let it show)
                 for k, v in writes.items():
                     if own.get(k) == hash(v):
                         del own[k]
+            self.cache.forget(reads)   # a conflict: some were stale
+            self.cache.forget(writes)  # outcome unknown: read them afresh
             raise
+        self.cache.committed(writes, rev)
         self.commits += 1
 
     async def _stale(self, reads):
         """One etcd Txn of compares only: did any key read change since?"""
         compare = [{"key": _b64(k), "target": "MOD", "result": "EQUAL", "mod_revision": str(rev)}
                    for k, rev in reads.items()]
-        return not (await self._call("/v3/kv/txn", {"compare": compare})).get("succeeded")
+        stale = not (await self._call("/v3/kv/txn", {"compare": compare})).get("succeeded")
+        if stale:
+            self.cache.forget(reads)
+        return stale
 
     async def _request_lease(self, stale: int | None = None, timeout: float | None = None) -> int:
         """The lease request ids are attached to: renewed every REQ_TTL/2 s, or if ``stale``.
@@ -305,7 +338,37 @@ class EtcdKV(KV):
         """Nothing to do: an acknowledged etcd commit is already on disk on a quorum."""
 
     async def aclose(self):
+        if self._cache_scope is not None:
+            self._cache_scope.cancel()
+        self.cache.stopped()
         await self._client.aclose()
+
+    # -- the read cache (bmfs/kv/etcd_cache.py) ------------------------------------------
+    def start_cache(self) -> None:
+        """Keep a read cache current with a watch of the whole keyspace, in a trio system
+        task that lives until ``aclose`` (or the end of the trio run)."""
+        if self._cache_scope is None:
+            self._cache_scope = trio.CancelScope()
+            trio.lowlevel.spawn_system_task(self._cache_loop, name="bmfs etcd read cache")
+
+    async def _cache_loop(self):
+        with self._cache_scope:
+            while True:
+                with trio.CancelScope() as self._cache_watch_scope:
+                    try:
+                        await self._watch(b"\0", b"", False, None, cache=self.cache)
+                    except Exception:  # noqa: BLE001 - unreachable or compacted: start afresh
+                        pass
+                self.cache.stopped()
+                await trio.sleep(0.5)
+
+    async def barrier(self) -> None:
+        """Close-to-open: wait until the cache reflects every commit made before this
+        call (etcd's current revision, read linearizably). No-op without a live cache."""
+        if self.cache.live:
+            data = await self._call("/v3/kv/range", {"key": _b64(REQ_PREFIX), "count_only": True})
+            if not await self.cache.wait_for(_revision(data)):
+                self._cache_watch_scope.cancel()  # a stuck watch: start a new one
 
     # -- leases (node liveness) --------------------------------------------------------
     async def grant_lease(self, ttl: int, timeout: float | None = None) -> int:
@@ -381,7 +444,9 @@ class EtcdKV(KV):
                 raise group.exceptions[0] from group.exceptions[0].__cause__
             raise
 
-    async def _watch(self, prefix, end, skip_own, send, task_status=trio.TASK_STATUS_IGNORED):
+    async def _watch(self, prefix, end, skip_own, send, task_status=trio.TASK_STATUS_IGNORED,
+                     cache: ReadCache | None = None):
+        """The watch loop: changes go to ``send``, or with ``cache``, into the cache."""
         end = prefix_end(prefix) if end is None else end
         req = {"key": _b64(prefix or b"\0"), "range_end": _b64(end or b"\0")}
         # hasleader: the member ends the watch if it loses the leader (partitioned)
@@ -406,16 +471,27 @@ class EtcdKV(KV):
                             attempt, errors = 0, {}
                             if not started:
                                 started = True
+                                if cache is not None:
+                                    cache.started(now)
                                 task_status.started()
+                        elif cache is not None and not cache.live:
+                            raise IOFailure("the read cache gave up waiting for this watch")
+                        rev = 0
                         for ev in res.get("events", ()):
                             kv = ev["kv"]
-                            req["start_revision"] = str(int(kv["mod_revision"]) + 1)
+                            rev = int(kv["mod_revision"])
+                            req["start_revision"] = str(rev + 1)
                             key = _unb64(kv["key"])
                             value = None if ev.get("type") == "DELETE" else _unb64(kv.get("value"))
+                            if cache is not None:
+                                cache.changed(key, value, rev)
+                                continue
                             if skip_own and self._own.get(key, 0) == hash(value) and \
                                     self._own.pop(key, None) is not None:
                                 continue
                             await send.send((key, value))
+                        if cache is not None and rev:
+                            cache.reached(rev)
                         if res.get("canceled"):
                             raise _Retry(res.get("cancel_reason") or "watch canceled")
                 errors[ep] = "watch stream ended"

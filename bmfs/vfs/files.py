@@ -206,6 +206,7 @@ class Files:
         if created:
             state = (created.size, created.mtime_ns, created.ctime_ns)
         else:
+            await self.kv.barrier()  # close-to-open: see what other mounts closed
             i = await ns.get_inode(self.kv.begin(), view.chain, ino)
             if i is None:
                 raise NotFound()

@@ -10,8 +10,10 @@ Damage seen on the way is reported through ``on_damage(sid, index, reason)``.
 """
 from __future__ import annotations
 
+import array
 import collections
 import logging
+import sys
 
 import trio
 
@@ -24,6 +26,10 @@ from .placement import place_available
 
 log = logging.getLogger(__name__)
 DECODED_CACHE = 8  # stripes (up to 8 x 4 MiB)
+TABLE_CACHE = 4096  # verified block checksum tables kept (4 bytes per 4 KiB block: ~1 KiB)
+HEDGE_MIN = 0.02  # seconds: a read slower than this (and than 4x its node's usual) is hedged
+HEDGE_RATE = 50e6  # bytes/s: a large read is given this much more time before a hedge
+STREAMING = 256 << 10  # a read this large of a degraded stripe decodes the whole stripe
 
 
 class DataClient:
@@ -40,6 +46,10 @@ class DataClient:
         # same stripe several times (one request per MiB or less), decode it once
         self._decoded: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()
         self._decoding: dict[int, trio.Event] = {}  # stripes being decoded right now
+        # block checksum tables of fragments whose header was read and verified: a
+        # small read then fetches (and checks) just its blocks
+        self._tables: "collections.OrderedDict[tuple[int, int], array.array]" = \
+            collections.OrderedDict()
         # stripes whose fragments are being written or whose record is not committed
         # yet (the writer discards them after its commit): the leak sweep skips them
         self.uncommitted: set[int] = set()
@@ -130,63 +140,75 @@ class DataClient:
                     pass
 
     # -- reads ----------------------------------------------------------------------------
-    async def read(self, sid: int, st: Stripe, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset+length) of the stripe (clipped to its length)."""
+    async def read(self, sid: int, st: Stripe, offset: int, length: int):
+        """Bytes [offset, offset+length) of the stripe (clipped to its length): bytes,
+        or a read-only memoryview (no copy of a large reply) when not clipped."""
+        data = await self._read(sid, st, offset, length)
+        return bytes(data) if len(data) < length and isinstance(data, memoryview) else data
+
+    async def _read(self, sid: int, st: Stripe, offset: int, length: int):
         end = min(offset + length, st.length)
         if offset >= end:
             return b""
         if st.kind == INLINE:
             return st.data[offset:end]
+        if sid in self._decoded or sid in self._decoding:  # decoded (or being) anyway
+            return await self._read_decoded(sid, st, offset, end)
         bs = st.frag_len - LIB_HEADER
-        wanted = range(offset // bs, (end - 1) // bs + 1)
-        if any(not self.transport.is_up(st.devices[i]) for i in wanted
-               if st.devices[i] != NO_DEVICE):
-            return (await self._read_degraded(sid, st))[offset:end]
-        delay = max((self.transport.expected_latency(st.devices[i]) for i in wanted
-                     if st.devices[i] != NO_DEVICE), default=0.0)
+        first, last = offset // bs, (end - 1) // bs
+        delay = 0.0
+        for i in range(first, last + 1):
+            dev = st.devices[i]
+            if dev == NO_DEVICE:
+                continue
+            if not self.transport.is_up(dev):
+                return await self._read_decoded(sid, st, offset, end)
+            delay = max(delay, self.transport.expected_latency(dev))
+        if end - offset >= STREAMING and any(
+                d != NO_DEVICE and not self.transport.is_up(d) for d in st.devices[:st.k]):
+            # a large read of a stripe that needs decoding elsewhere: the neighbouring
+            # reads (read-ahead) will want the rest, so fetch k fragments once for all
+            return await self._read_decoded(sid, st, offset, end)
+        wanted = range(first, last + 1)
         if delay <= 0:
             try:
                 return await self._read_direct(sid, st, offset, end)
             except (DeviceError, fr.CorruptFragment, _Missing):
-                return (await self._read_degraded(sid, st))[offset:end]
-        return await self._read_hedged(sid, st, offset, end, max(0.005, 4 * delay))
+                return await self._read_decoded(sid, st, offset, end, wanted)
+        # hedge a read slower than 4x its node's usual round trip plus transfer time
+        delay = max(HEDGE_MIN, 4 * delay) + (end - offset) / HEDGE_RATE
+        return await self._read_hedged(sid, st, offset, end, delay, wanted)
 
-    async def _read_hedged(self, sid, st, offset, end, delay):
-        """Read directly; if that is slower than ``delay``, also decode from the other
-        fragments, and take whichever answers first (the straggler is cancelled)."""
-        result: list[bytes] = []
-        errors: list[Exception] = []
-        started = trio.Event()
+    async def _read_decoded(self, sid, st, offset, end, avoid=()):
+        data = await self._read_degraded(sid, st, avoid)
+        return memoryview(data)[offset:end] if end - offset > 4096 else data[offset:end]
 
-        async def direct(nursery):
+    async def _read_hedged(self, sid, st, offset, end, delay, slow):
+        """Read directly; if that fails or takes longer than ``delay``, give up on it and
+        decode from the other fragments (those of ``slow`` only if the others are not
+        enough).
+
+        Not a race of two tasks: that costs more than a 4 KiB read itself (a nursery,
+        two tasks, cancellation) on every read, while the decode is needed rarely.
+        """
+        failed = False
+        with trio.move_on_after(delay):
             try:
-                data = await self._read_direct(sid, st, offset, end)
-            except (DeviceError, fr.CorruptFragment, _Missing) as e:
-                errors.append(e)
-                started.set()  # start the degraded read at once
-                return
-            result.append(data)
-            nursery.cancel_scope.cancel()
-
-        async def hedge(nursery):
-            with trio.move_on_after(delay):
-                await started.wait()
+                return await self._read_direct(sid, st, offset, end)
+            except (DeviceError, fr.CorruptFragment, _Missing):
+                failed = True
+        if not failed:
             self.stats["hedged_reads"] = self.stats.get("hedged_reads", 0) + 1
-            try:
-                data = await self._read_degraded(sid, st)
-            except IOFailure as e:
-                errors.append(e)
-                return
-            result.append(data[offset:end])
-            nursery.cancel_scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(direct, nursery)
-            nursery.start_soon(hedge, nursery)
-        if result:
-            return result[0]
-        raise next((e for e in errors if isinstance(e, IOFailure)), None) or \
-            IOFailure(f"stripe {sid}: unreadable")
+        try:
+            return await self._read_decoded(sid, st, offset, end, slow)
+        except IOFailure:
+            if failed:
+                raise
+        # fewer than k fragments readable: the slow read is the only way left
+        try:
+            return await self._read_direct(sid, st, offset, end)
+        except (DeviceError, fr.CorruptFragment, _Missing) as e:
+            raise IOFailure(f"stripe {sid}: unreadable ({e})") from e
 
     async def _read_direct(self, sid, st, offset, end):
         bs = st.frag_len - LIB_HEADER
@@ -218,14 +240,15 @@ class DataClient:
         dev = st.devices[index]
         if dev == NO_DEVICE:
             raise _Missing()
-        hlen = fr.header_length(st.frag_len)
         b0 = p0 // fr.BLOCK
         b1 = min((p0 + n + fr.BLOCK - 1) // fr.BLOCK * fr.BLOCK, st.frag_len)
-        blocks = await self._read_checked(sid, st, index, dev, hlen, b0,
-                                          b1 - b0 * fr.BLOCK)
+        blocks = await self._read_checked(sid, st, index, dev, fr.header_length(st.frag_len),
+                                          b0, b1 - b0 * fr.BLOCK, cached_table=True)
         off = p0 - b0 * fr.BLOCK
         out = blocks[off:off + n]
-        return out if isinstance(out, bytes) else bytes(out)
+        if isinstance(out, bytes) or (len(out) == n and n > 4096):
+            return out  # a view of the reply's own buffer: no copy
+        return bytes(out)
 
     async def _read_fragment(self, sid, st, index) -> bytes:
         dev = st.devices[index]
@@ -235,28 +258,48 @@ class DataClient:
                                            fr.header_length(st.frag_len), 0, st.frag_len)
         return payload if isinstance(payload, bytes) else bytes(payload)
 
-    async def _read_checked(self, sid, st, index, dev, hlen, first_block, length):
-        """``length`` payload bytes of a fragment from block ``first_block`` on, with its
-        header and those blocks' checksums verified; damage is reported, then raised."""
+    async def _read_checked(self, sid, st, index, dev, hlen, first_block, length,
+                            cached_table=False):
+        """``length`` payload bytes of a fragment from block ``first_block`` on, with
+        those blocks' checksums verified; damage is reported, then raised.
+
+        The header (and its block checksum table) is read and verified too, unless
+        ``cached_table`` allows using the table of an earlier verified read of this
+        fragment (stripes are immutable, so a fragment's table never changes).
+        """
+        key = (sid, index)
+        table = self._tables.get(key) if cached_table else None
+        name = fr.fragment_name(sid, index)
         try:
-            head, data = await self.transport.read(
-                dev, fr.fragment_name(sid, index),
-                [(0, hlen), (hlen + first_block * fr.BLOCK, length)])
-            table = fr.parse_header(head, sid, index, st.frag_len)
+            if table is not None:
+                self._tables.move_to_end(key)
+                (data,) = await self.transport.read(
+                    dev, name, [(hlen + first_block * fr.BLOCK, length)])
+            else:
+                head, data = await self.transport.read(
+                    dev, name, [(0, hlen), (hlen + first_block * fr.BLOCK, length)])
+                fr.parse_header(head, sid, index, st.frag_len)
+                table = array.array("I", bytes(head[fr.HEAD_FIXED:hlen]))
+                if sys.byteorder != "little":
+                    table.byteswap()
+                self._tables[key] = table
+                if len(self._tables) > TABLE_CACHE:
+                    self._tables.popitem(last=False)
             if len(data) != length:
                 raise fr.CorruptFragment("truncated payload")
             fr.check_blocks(table, first_block, data)
             return data
         except fr.CorruptFragment as e:
+            self._tables.pop(key, None)
             self._damaged(sid, index, f"corrupt: {e}")
             raise
         except DeviceError as e:
             self._damaged(sid, index, f"unreadable: {e}")
             raise
 
-    async def _read_degraded(self, sid, st) -> bytes:
-        """Decode the whole stripe from the first k intact fragments (cached: stripes
-        are immutable, so a decoded stripe stays right until its id is reused, never)."""
+    async def _read_degraded(self, sid, st, avoid=()) -> bytes:
+        """Decode the whole stripe from k intact fragments (cached: stripes are
+        immutable, so a decoded stripe stays right until its id is reused, never)."""
         cached = self._decoded.get(sid)
         if cached is not None:
             self._decoded.move_to_end(sid)
@@ -268,7 +311,7 @@ class DataClient:
                 return self._decoded[sid]
         done = self._decoding[sid] = trio.Event()
         try:
-            data = await self._decode_stripe(sid, st)
+            data = await self._decode_stripe(sid, st, avoid)
         finally:
             del self._decoding[sid]
             done.set()
@@ -277,26 +320,40 @@ class DataClient:
             self._decoded.popitem(last=False)
         return data
 
-    async def _decode_stripe(self, sid, st) -> bytes:
+    async def _decode_stripe(self, sid, st, avoid=()) -> bytes:
+        """Fetch k fragments: those on devices that are up and not in ``avoid`` first
+        (data fragments before parity), the others only as replacements for failures."""
         self.stats["degraded_reads"] += 1
         k = st.k
+        up, rest = [], []
+        for i, dev in enumerate(st.devices):
+            if dev == NO_DEVICE:
+                continue
+            (up if self.transport.is_up(dev) and i not in avoid else rest).append(i)
+        candidates = iter(up + rest)
         got: dict[int, bytes] = {}
 
-        async def one(i, cancel_scope):
-            try:
-                got[i] = await self._read_fragment(sid, st, i)
-            except (DeviceError, fr.CorruptFragment, _Missing):
-                return
-            if len(got) >= k:
-                cancel_scope.cancel()  # the first k intact fragments are enough
+        async def fetch_one():  # one fragment: the next candidate that reads intact
+            for i in candidates:
+                try:
+                    got[i] = await self._read_fragment(sid, st, i)
+                    return
+                except (DeviceError, fr.CorruptFragment, _Missing):
+                    continue
 
         async with trio.open_nursery() as nursery:
-            for i in range(st.k + st.m):
-                nursery.start_soon(one, i, nursery.cancel_scope)
+            for _ in range(k):
+                nursery.start_soon(fetch_one)
         if len(got) < k:
             raise IOFailure(f"stripe {sid}: only {len(got)} of {st.k + st.m} fragments "
                             f"readable, {k} needed")
-        frags = [got[i] for i in sorted(got)[:k]]
+        frags = [got[i] for i in sorted(got)]
+        if sorted(got) == list(range(k)):  # the data fragments themselves: no decode
+            bs, left, views = st.frag_len - LIB_HEADER, st.length, []
+            for f in frags:
+                views.append(memoryview(f)[LIB_HEADER:LIB_HEADER + min(bs, left)])
+                left -= len(views[-1])
+            return b"".join(views)
         return await trio.to_thread.run_sync(codec(st.k, st.m).decode, frags)
 
     def _damaged(self, sid, index, why):

@@ -1,8 +1,10 @@
 """Framing and authentication of the storage-node protocol (schemas/node.proto).
 
-A frame is ``u32 header length | u32 payload length | header | payload``. Payloads
-are received straight into a buffer the connection reuses (``recv_into``), so a
-4 MiB fragment costs no allocation per request. Both sides prove knowledge of the
+A frame is ``u32 header length | u32 payload length | header | payload``. Frames are
+received into a buffer the connection reuses (``recv_into``, as much as the socket
+has: a small frame costs one call), except that a client's large reply payloads are
+received straight into a buffer of their own, handed out without a copy. A frame is
+sent with one call (``sendmsg`` gathers header and payload parts). Both sides prove knowledge of the
 cluster secret before anything else (HMAC-SHA256 over the peer's random challenge).
 """
 from __future__ import annotations
@@ -21,61 +23,177 @@ PREFIX = struct.Struct("<II")
 MAX_HEADER = 64 << 10
 MAX_PAYLOAD = 64 << 20
 HANDSHAKE_TIMEOUT = 5.0
+OWN_DIRECT = 64 << 10  # own payloads larger than this are received into their own buffer
+SEND_JOIN = 64 << 10   # payloads up to this are joined with the header into one send
 
 
 class ProtocolError(Exception):
     """The peer broke the protocol (bad frame, bad proof); the connection is closed."""
 
 
-class Connection:
+class _Framing:
+    """Frame parsing over a receive buffer; subclasses move the bytes (async or blocking).
+
+    Receives read as much as the socket has (a small frame usually arrives in one
+    ``recv_into``, prefix and all) and keep any bytes past the frame for the next one.
+    A frame goes out in one send (prefix, header and payload parts gathered).
+    """
+
+    def __init__(self, sock, buffer_size: int, pending: bytes = b""):
+        self.sock = sock
+        self._buf = bytearray(max(buffer_size, len(pending)))
+        self._buf[:len(pending)] = pending
+        self._start, self._end = 0, len(pending)  # unconsumed: _buf[_start:_end]
+
+    def pending(self) -> bytes:
+        """Bytes received past the last frame (to hand the socket on)."""
+        return bytes(self._buf[self._start:self._end])
+
+    def _room(self, need: int) -> memoryview | None:
+        """None if ``need`` unconsumed bytes are buffered; else a view to receive into,
+        after moving (or growing) the buffer so that they fit."""
+        have = self._end - self._start
+        if have >= need:
+            return None
+        if have == 0:
+            self._start = self._end = 0
+        if self._start + need > len(self._buf):
+            buf = self._buf if need <= len(self._buf) else bytearray(max(need, 2 * len(self._buf)))
+            buf[:have] = self._buf[self._start:self._end]
+            self._buf, self._start, self._end = buf, 0, have
+        return memoryview(self._buf)
+
+    def _sizes(self) -> tuple[int, int]:
+        hlen, plen = PREFIX.unpack_from(self._buf, self._start)
+        if hlen > MAX_HEADER or plen > MAX_PAYLOAD:
+            raise ProtocolError(f"oversized frame (header {hlen}, payload {plen} bytes)")
+        return hlen, plen
+
+    def _header(self, message_type, hlen: int):
+        """Parse the buffered header; returns it and consumes prefix and header."""
+        h0 = self._start + PREFIX.size
+        msg = message_type()
+        try:
+            msg.ParseFromString(memoryview(self._buf)[h0:h0 + hlen])
+        except Exception as e:  # protobuf raises DecodeError (and others on garbage)
+            raise ProtocolError(f"undecodable {message_type.__name__} header: {e}") from e
+        self._start = h0 + hlen
+        return msg
+
+    def _take(self, n: int) -> memoryview:
+        view = memoryview(self._buf)[self._start:self._start + n]
+        self._start += n
+        return view
+
+    def _own_start(self, plen: int) -> tuple[memoryview, int]:
+        """A fresh buffer for a payload, with the bytes already received copied in."""
+        payload = bytearray(plen)
+        got = min(plen, self._end - self._start)
+        payload[:got] = self._take(got)
+        return memoryview(payload), got
+
+    @staticmethod
+    def _frame(message, payload_parts):
+        """The frame as one buffer (small payloads) or a list of views (large ones)."""
+        head = message.SerializeToString()
+        plen = sum(len(p) for p in payload_parts)
+        first = PREFIX.pack(len(head), plen) + head
+        if plen <= SEND_JOIN:  # small: one buffer (a copy is cheaper than an iovec)
+            return first + b"".join(payload_parts) if plen else first
+        return [memoryview(first)] + [memoryview(p).cast("B") for p in payload_parts if len(p)]
+
+    @staticmethod
+    def _advance(views: list, n: int) -> None:
+        while n:
+            if n >= len(views[0]):
+                n -= len(views.pop(0))
+            else:
+                views[0] = views[0][n:]
+                n = 0
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Connection(_Framing):
     """One framed connection over a trio socket, with a reusable receive buffer."""
 
-    def __init__(self, sock: trio.socket.SocketType):
-        self.sock = sock
-        self._buf = bytearray(1 << 20)
-        self._prefix = bytearray(PREFIX.size)
+    def __init__(self, sock: trio.socket.SocketType, buffer_size: int = 1 << 20):
+        super().__init__(sock, buffer_size)
 
-    async def _recv_exact(self, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
+    async def _fill(self, need: int) -> None:
+        view = self._room(need)
+        while view is not None and self._end - self._start < need:
+            n = await self.sock.recv_into(view[self._end:])
+            if n == 0:
+                raise EOFError("connection closed by peer")
+            self._end += n
+
+    async def recv(self, message_type, own_payload: bool = False) -> tuple[object, memoryview]:
+        """The next frame: (parsed header, payload view valid until the next recv).
+        With ``own_payload`` the payload is a fresh buffer of its own (received into
+        directly when it is large), valid for as long as the caller keeps it."""
+        await self._fill(PREFIX.size)
+        hlen, plen = self._sizes()
+        direct = own_payload and plen > OWN_DIRECT
+        await self._fill(PREFIX.size + hlen + (0 if direct else plen))
+        msg = self._header(message_type, hlen)
+        if not direct:
+            view = self._take(plen)
+            return msg, (memoryview(bytes(view)) if own_payload else view)
+        view, got = self._own_start(plen)
+        while got < plen:
             n = await self.sock.recv_into(view[got:])
             if n == 0:
                 raise EOFError("connection closed by peer")
             got += n
-
-    async def recv(self, message_type) -> tuple[object, memoryview]:
-        """The next frame: (parsed header, payload view valid until the next recv)."""
-        await self._recv_exact(memoryview(self._prefix))
-        hlen, plen = PREFIX.unpack(self._prefix)
-        if hlen > MAX_HEADER or plen > MAX_PAYLOAD:
-            raise ProtocolError(f"oversized frame (header {hlen}, payload {plen} bytes)")
-        need = hlen + plen
-        if len(self._buf) < need:
-            self._buf = bytearray(max(need, 2 * len(self._buf)))
-        view = memoryview(self._buf)[:need]
-        await self._recv_exact(view)
-        msg = message_type()
-        try:
-            msg.ParseFromString(view[:hlen])
-        except Exception as e:  # protobuf raises DecodeError (and others on garbage)
-            raise ProtocolError(f"undecodable {message_type.__name__} header: {e}") from e
-        return msg, view[hlen:need]
+        return msg, view
 
     async def send(self, message, payload_parts=()) -> None:
-        head = message.SerializeToString()
-        plen = sum(len(p) for p in payload_parts)
-        await self._sendall(PREFIX.pack(len(head), plen) + head)
-        for p in payload_parts:
-            await self._sendall(p)
+        frame = self._frame(message, payload_parts)
+        if not isinstance(frame, list):
+            await self._sendall(frame)
+            return
+        while frame:
+            self._advance(frame, await self.sock.sendmsg(frame))
 
     async def _sendall(self, data) -> None:
         view = memoryview(data)
         while view:
-            n = await self.sock.send(view)
-            view = view[n:]
+            view = view[await self.sock.send(view):]
 
-    def close(self) -> None:
-        self.sock.close()
+
+class BlockingConnection(_Framing):
+    """The same framing over a blocking socket: a node serves each connection in a
+    thread of its own (a blocking recv wakes that thread directly, which costs far
+    less than an event loop's round per request)."""
+
+    def __init__(self, sock, buffer_size: int = 1 << 20, pending: bytes = b""):
+        super().__init__(sock, buffer_size, pending)
+
+    def _fill(self, need: int) -> None:
+        view = self._room(need)
+        while view is not None and self._end - self._start < need:
+            n = self.sock.recv_into(view[self._end:])
+            if n == 0:
+                raise EOFError("connection closed by peer")
+            self._end += n
+
+    def recv(self, message_type) -> tuple[object, memoryview]:
+        """The next frame: (parsed header, payload view valid until the next recv)."""
+        self._fill(PREFIX.size)
+        hlen, plen = self._sizes()
+        self._fill(PREFIX.size + hlen + plen)
+        msg = self._header(message_type, hlen)
+        return msg, self._take(plen)
+
+    def send(self, message, payload_parts=()) -> None:
+        frame = self._frame(message, payload_parts)
+        if not isinstance(frame, list):
+            self.sock.sendall(frame)
+            return
+        while frame:
+            self._advance(frame, self.sock.sendmsg(frame))
 
 
 def proof(secret: bytes, role: bytes, challenge: bytes) -> bytes:

@@ -4,7 +4,12 @@ Stateless apart from its stores. Each connection authenticates first; a peer tha
 sends a malformed, oversized or unknown frame gets an error reply (when one can be
 framed) and is disconnected, and the node keeps serving everyone else. Requests on
 one connection are served in order; clients open several connections for parallelism.
-Store calls (blocking file I/O) run in worker threads.
+
+The event loop accepts connections and runs the handshake; an authenticated connection
+is then served by a thread of its own with a blocking socket, which calls the store
+(blocking file I/O) directly. On this path a request costs one thread wakeup, where an
+event loop costs a round of its scheduler plus two thread hand-offs for the store
+call: a 4 KiB READ answered in about half the CPU time.
 
 Fault controls for tests (``--fault`` or the ``BMFS_NODE_FAULT`` environment variable):
 ``delay=SECONDS`` delays every READ reply (a straggler).
@@ -15,48 +20,59 @@ import errno
 import json
 import logging
 import os
+import socket
+import threading
+import time
 
 import trio
 
 from ..store.file import FileStore
 from ..store.pmem import open_store
 from ..wire import node_pb2 as pb
-from .protocol import Connection, ProtocolError, server_handshake
+from .protocol import BlockingConnection, Connection, ProtocolError, server_handshake
 
 log = logging.getLogger(__name__)
 Op = pb.Request.Op
+MAX_CONNECTIONS = 256     # served at once (a thread each); more wait for a slot
+HANDSHAKE_BUFFER = 4096   # the event loop only receives the handshake
 
 
 class GroupSync:
     """Group commit: writers wait for one sync that started after their write.
 
-    Concurrent PUTs share a sync (fsync of the files written, or one syncfs), so
-    durability before acknowledgement costs a flush per batch, not per fragment.
+    Concurrent PUTs (each in its connection's thread) share a sync (fsync of the files
+    written, or one syncfs), so durability before acknowledgement costs a flush per
+    batch, not per fragment.
     """
 
-    def __init__(self, store, run):
-        self.store, self.run = store, run
+    def __init__(self, store):
+        self.store = store
         self.requested = 0
         self.done = 0
         self.running = False
-        self.changed = trio.Event()
+        self.changed = threading.Condition()
 
-    async def wait_durable(self) -> None:
-        self.requested += 1
-        mine = self.requested
-        while self.done < mine:
-            if self.running:
-                await self.changed.wait()
-                continue
-            self.running = True
-            target = self.requested
-            try:
-                await self.run(self.store.sync)
-                self.done = max(self.done, target)
-            finally:
-                self.running = False
-                self.changed.set()
-                self.changed = trio.Event()
+    def wait_durable(self) -> None:
+        with self.changed:
+            self.requested += 1
+            mine = self.requested
+            while self.done < mine:
+                if self.running:
+                    self.changed.wait()
+                    continue
+                self.running = True
+                target = self.requested
+                ok = False
+                self.changed.release()
+                try:
+                    self.store.sync()
+                    ok = True
+                finally:
+                    self.changed.acquire()
+                    self.running = False
+                    if ok:
+                        self.done = max(self.done, target)
+                    self.changed.notify_all()
 
 
 class NodeServer:
@@ -66,9 +82,14 @@ class NodeServer:
         self.secret = secret
         self.stores = stores
         self.read_delay = read_delay
-        self.limiter = trio.CapacityLimiter(16)
+        self.connections = trio.CapacityLimiter(MAX_CONNECTIONS)
         self.stats = {"connections": 0, "rejected": 0, "requests": 0, "errors": 0}
-        self.syncers = {dev: GroupSync(st, self._run) for dev, st in stores.items()}
+        self.syncers = {dev: GroupSync(st) for dev, st in stores.items()}
+        # fragments being written (files are written in place): a READ of one waits
+        # for the write, so it never sees a half-written file (e.g. repair rewriting a
+        # fragment that a degraded read or another repair is reading)
+        self._writing: dict[tuple[int, str], int] = {}
+        self._written = threading.Condition()
 
     async def serve(self, host: str, port: int, task_status=trio.TASK_STATUS_IGNORED):
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -76,7 +97,7 @@ class NodeServer:
         await trio.serve_listeners(self._handle_stream, listeners)
 
     async def _handle_stream(self, stream):
-        conn = Connection(stream.socket)
+        conn = Connection(stream.socket, HANDSHAKE_BUFFER)
         self.stats["connections"] += 1
         try:
             await server_handshake(conn, self.secret, self.name)
@@ -85,18 +106,27 @@ class NodeServer:
             log.warning("rejected a connection: %s", e)
             conn.close()
             return
+        sock = socket.socket(fileno=stream.socket.detach())
+        sock.setblocking(True)
+        blocking = BlockingConnection(sock, pending=conn.pending())
+        # abandon_on_cancel: at shutdown the thread may sit in recv; the process exits
+        await trio.to_thread.run_sync(self._serve_connection, blocking,
+                                      abandon_on_cancel=True, limiter=self.connections)
+
+    def _serve_connection(self, conn: BlockingConnection) -> None:
+        """Serve one authenticated connection until it closes (in its own thread)."""
         try:
             while True:
-                req, payload = await conn.recv(pb.Request)
+                req, payload = conn.recv(pb.Request)
                 self.stats["requests"] += 1
-                await self._serve_one(conn, req, payload)
+                self._serve_one(conn, req, payload)
         except EOFError:
             pass
         except ProtocolError as e:
             self.stats["errors"] += 1
             log.warning("closing a connection: %s", e)
             try:
-                await conn.send(pb.Response(errno=errno.EPROTO, error=str(e)))
+                conn.send(pb.Response(errno=errno.EPROTO, error=str(e)))
             except OSError:
                 pass
         except OSError:
@@ -104,9 +134,9 @@ class NodeServer:
         finally:
             conn.close()
 
-    async def _serve_one(self, conn, req, payload):
+    def _serve_one(self, conn, req, payload):
         try:
-            resp, parts = await self._dispatch(req, payload)
+            resp, parts = self._dispatch(req, payload)
         except (ValueError, KeyError) as e:
             resp, parts = pb.Response(errno=errno.EINVAL, error=str(e)), ()
         except FileNotFoundError:
@@ -114,7 +144,7 @@ class NodeServer:
         except OSError as e:
             resp, parts = pb.Response(errno=e.errno or errno.EIO, error=str(e)), ()
         resp.id = req.id
-        await conn.send(resp, parts)
+        conn.send(resp, parts)
 
     def _store(self, req) -> FileStore:
         store = self.stores.get(req.device)
@@ -129,21 +159,16 @@ class NodeServer:
             raise ValueError(f"invalid fragment name {name!r}")
         return name
 
-    async def _run(self, fn, *args):
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+    def _wait_written(self, key) -> None:
+        with self._written:
+            while key in self._writing:
+                self._written.wait()
 
-    async def _dispatch(self, req, payload):
+    def _dispatch(self, req, payload):
         op = req.op
         if op == Op.PING:
             return pb.Response(), ()
         store = self._store(req)
-        if op == Op.PUT:
-            name = self._check_name(req.name)
-            data = bytes(payload)  # the receive buffer is reused by the next frame
-            await self._run(store.write, name, [data])
-            if req.durable:
-                await self.syncers[req.device].wait_durable()
-            return pb.Response(), ()
         if op == Op.READ:
             name = self._check_name(req.name)
             if len(req.ranges) > 64:
@@ -151,22 +176,40 @@ class NodeServer:
             ranges = [(r.offset, r.length) for r in req.ranges]
             if sum(n for _, n in ranges) > (64 << 20):
                 raise ValueError("read larger than 64 MiB")
-            parts = await self._run(store.read_parts, name, ranges)
+            if (req.device, name) in self._writing:
+                self._wait_written((req.device, name))
+            parts = store.read_parts(name, ranges)
             if self.read_delay:
-                await trio.sleep(self.read_delay)
+                time.sleep(self.read_delay)
             return pb.Response(lengths=[len(p) for p in parts]), parts
+        if op == Op.PUT:
+            # the payload view points into the receive buffer: stored before the next recv
+            key = (req.device, self._check_name(req.name))
+            with self._written:
+                self._writing[key] = self._writing.get(key, 0) + 1
+            try:
+                store.write(key[1], [payload])
+            finally:
+                with self._written:
+                    if self._writing[key] == 1:
+                        del self._writing[key]
+                    else:
+                        self._writing[key] -= 1
+                    self._written.notify_all()
+            if req.durable:
+                self.syncers[req.device].wait_durable()
+            return pb.Response(), ()
         if op == Op.DELETE:
-            await self._run(store.delete, self._check_name(req.name))
+            store.delete(self._check_name(req.name))
             return pb.Response(), ()
         if op == Op.SYNC:
-            await self._run(store.sync)
+            store.sync()
             return pb.Response(), ()
         if op == Op.LIST:
-            names = await self._run(lambda: list(store.names()))
-            return pb.Response(names=names), ()
+            return pb.Response(names=list(store.names())), ()
         if op == Op.STAT:
-            info = await self._run(store.usage)
-            info["stats"] = self.stats
+            info = store.usage()
+            info["stats"] = dict(self.stats)
             return pb.Response(info_json=json.dumps(info)), ()
         raise ValueError(f"unknown operation {op}")
 

@@ -22,6 +22,8 @@ from . import DeviceError
 Op = pb.Request.Op
 DOWN_FOR = 2.0        # seconds a failed node is skipped before it is tried again
 CONNECT_TIMEOUT = 2.0
+CLIENT_BUFFER = 256 << 10  # replies larger than 64 KiB get buffers of their own
+SMALL_READ = 64 << 10      # reads up to this size measure a node's latency (for hedging)
 
 
 class _Node:
@@ -54,7 +56,7 @@ class TcpTransport:
             try:
                 await sock.connect((node.host, node.port))
                 sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
-                conn = Connection(sock)
+                conn = Connection(sock, CLIENT_BUFFER)
                 await client_handshake(conn, self.secret)
             except BaseException:
                 sock.close()
@@ -70,12 +72,22 @@ class TcpTransport:
         conn = None
         try:
             with trio.fail_after(timeout or self.timeout):
-                conn = node.idle.pop() if node.idle else await self._connect(node)
-                await conn.send(req, parts)
-                resp, payload = await conn.recv(pb.Response)
-                # the payload view points into the connection's buffer, which the next
-                # request reuses: one copy here, and slices of it (memoryviews) after
-                payload = memoryview(bytes(payload)) if payload else memoryview(b"")
+                while True:
+                    pooled = bool(node.idle)
+                    conn = node.idle.pop() if pooled else await self._connect(node)
+                    try:
+                        await conn.send(req, parts)
+                        # the payload is a buffer of its own (large ones are received
+                        # into it directly): slices of it are handed out without copies
+                        resp, payload = await conn.recv(pb.Response, own_payload=True)
+                        break
+                    except (EOFError, ConnectionResetError, BrokenPipeError):
+                        if not pooled:
+                            raise
+                        # an idle connection the node closed (it restarted, say): not a
+                        # sign of trouble; every request is idempotent, try a fresh one
+                        conn.close()
+                        conn = None
         except (OSError, EOFError, ProtocolError, trio.TooSlowError) as e:
             if conn is not None:
                 conn.close()
@@ -106,8 +118,9 @@ class TcpTransport:
         resp, payload = await self.request(
             dev, pb.Request(op=Op.READ, name=name,
                             ranges=[pb.Range(offset=o, length=n) for o, n in ranges]))
-        node = self.device_node[dev]
-        node.latency = 0.8 * node.latency + 0.2 * (time.monotonic() - t0)
+        if len(payload) <= SMALL_READ:  # the round trip, not the transfer time
+            node = self.device_node[dev]
+            node.latency = 0.8 * node.latency + 0.2 * (time.monotonic() - t0)
         out, pos = [], 0
         for n in resp.lengths:
             out.append(payload[pos:pos + n])  # views: no copy
@@ -129,6 +142,7 @@ class TcpTransport:
         return json.loads(resp.info_json)
 
     def expected_latency(self, dev: int) -> float:
+        """The node's smoothed round trip of small reads (seconds)."""
         node = self.device_node.get(dev)
         return node.latency if node else 0.01
 

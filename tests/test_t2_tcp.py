@@ -1,0 +1,249 @@
+"""Level 2: the data path over the tcp transport to in-process storage nodes.
+
+Framing edge cases (frames split across sends, several frames in one), the small-read
+path (a fragment's verified checksum table is kept, so later reads fetch only their
+blocks and still catch corruption), degraded and hedged reads, stale pooled
+connections, and reads that meet a fragment being rewritten.
+"""
+import os
+import socket
+import struct
+import threading
+
+import pytest
+import trio
+
+from bmfs.data.client import DataClient
+from bmfs.data import fragment as fr
+from bmfs.node.protocol import BlockingConnection, Connection, PREFIX
+from bmfs.node.server import NodeServer
+from bmfs.store.file import FileStore
+from bmfs.transport.tcp import TcpTransport
+from bmfs.wire import node_pb2 as pb
+
+SECRET = b"s" * 32
+
+
+class Nodes:
+    """k+m in-process nodes (one device each) on loopback, and a client over tcp."""
+
+    def __init__(self, tmp_path, nursery, n=6):
+        self.tmp_path, self.nursery, self.n = tmp_path, nursery, n
+        self.stores, self.servers, self.scopes, self.ports = {}, {}, {}, {}
+
+    async def start(self, dev, delay=0.0):
+        path = str(self.tmp_path / f"d{dev}")
+        if dev not in self.stores:
+            FileStore.format(path, "vol", dev)
+        self.stores[dev] = FileStore(path, "vol", dev)
+        self.servers[dev] = NodeServer(f"n{dev}", SECRET, {dev: self.stores[dev]}, delay)
+        scope = self.scopes[dev] = trio.CancelScope()
+
+        async def run(task_status=trio.TASK_STATUS_IGNORED):
+            with scope:
+                await self.servers[dev].serve("127.0.0.1", self.ports.get(dev, 0), task_status)
+        self.ports[dev] = await self.nursery.start(run)
+
+    def stop(self, dev):
+        """Stop accepting; connections already served keep their threads (a kill -9 of
+        a process is what the cluster tests do)."""
+        self.scopes[dev].cancel()
+
+    def spy_reads(self) -> list:
+        """From now on, record (fragment name, ranges) of every READ the client sends."""
+        self.reads, real = [], self.transport.read
+
+        async def spy(dev, name, ranges):
+            self.reads.append((name, ranges))
+            return await real(dev, name, ranges)
+        self.transport.read = spy
+        return self.reads
+
+    async def client(self):
+        for dev in range(self.n):
+            await self.start(dev)
+        self.transport = TcpTransport({d: f"127.0.0.1:{p}" for d, p in self.ports.items()},
+                                      SECRET)
+        self.damage = []
+        return DataClient(self.transport, list(range(self.n)), 4, 2, 16 << 10,
+                          on_damage=lambda *a: self.damage.append(a))
+
+
+def run_with_nodes(tmp_path, body):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes = Nodes(tmp_path, nursery)
+            client = await nodes.client()
+            try:
+                await body(nodes, client)
+            finally:
+                await nodes.transport.aclose()
+                nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_roundtrip_ranges_and_table_cache(tmp_path):
+    data = os.urandom((4 << 20) - 12345)
+
+    async def body(nodes, client):
+        st = await client.write_stripe(7, data)
+        assert bytes(await client.read(7, st, 0, len(data))) == data
+        for off, n in [(0, 1), (4095, 2), (1 << 20, 4096), ((1 << 20) - 10, 20),
+                       (len(data) - 5, 100), (12345, 300_000)]:
+            assert bytes(await client.read(7, st, off, n)) == data[off:off + n]
+        assert (7, 0) in client._tables  # verified tables are kept
+        # a small read now asks for its blocks only
+        asked = nodes.spy_reads()
+        assert bytes(await client.read(7, st, 8192, 4096)) == data[8192:12288]
+        assert len(asked) == 1 and len(asked[0][1]) == 1
+        # corruption after the table was cached is still caught, and never returned
+        path = nodes.stores[st.devices[0]]._file(fr.fragment_name(7, 0))
+        hlen = fr.header_length(st.frag_len)
+        with open(path, "r+b") as f:
+            f.seek(hlen + 8192 + 100)
+            f.write(b"\xde\xad")
+        assert bytes(await client.read(7, st, 8192, 4096)) == data[8192:12288]
+        assert client.stats["corrupt_fragments"] == 1 and client.stats["degraded_reads"] == 1
+        assert nodes.damage and nodes.damage[0][:2] == (7, 0)
+    run_with_nodes(tmp_path, body)
+
+
+def test_degraded_streaming_reads_fetch_k_fragments_once(tmp_path):
+    data = os.urandom(4 << 20)
+
+    async def body(nodes, client):
+        st = await client.write_stripe(9, data)
+        st2 = await client.write_stripe(10, data[::-1])
+        dead = st.devices[1]
+        nodes.stop(dead)
+        for conn in nodes.transport.device_node[dead].idle:
+            conn.close()  # the node "died": its connections are gone too
+        nodes.transport.device_node[dead].idle.clear()
+        # the first read that needs it finds the node dead, and decodes
+        assert bytes(await client.read(9, st, (1 << 20) + 5, 10)) == data[(1 << 20) + 5:][:10]
+        assert client.stats["degraded_reads"] == 1 and not nodes.transport.is_up(dead)
+        nodes.spy_reads()
+        out = [None] * 4
+
+        async def one(j):  # read-ahead: the four MiB of a stripe asked for at once
+            out[j] = bytes(await client.read(10, st2, j << 20, 1 << 20))
+        async with trio.open_nursery() as n:
+            for j in range(4):
+                n.start_soon(one, j)
+        assert b"".join(out) == data[::-1]
+        # one decode served all four: k fragments fetched once, none from the dead node
+        assert client.stats["degraded_reads"] == 2
+        fetched = [name for name, _ in nodes.reads]
+        assert len(fetched) == 4 and len(set(fetched)) == 4
+        assert fr.fragment_name(10, st2.devices.index(dead)) not in fetched
+
+
+def test_hedged_read_avoids_the_slow_node(tmp_path):
+    data = os.urandom(4 << 20)
+
+    async def body(nodes, client):
+        st = await client.write_stripe(11, data)
+        slow = st.devices[2]
+        nodes.servers[slow].read_delay = 1.0
+        with trio.fail_after(0.8):  # well below the slow node's delay
+            got = await client.read(11, st, (2 << 20) + 4096, 4096)
+        assert bytes(got) == data[(2 << 20) + 4096:(2 << 20) + 8192]
+        assert client.stats["hedged_reads"] == 1
+    run_with_nodes(tmp_path, body)
+
+
+def test_stale_pooled_connection_is_retried_not_marked_down(tmp_path):
+    data = os.urandom(1 << 20)
+
+    async def body(nodes, client):
+        st = await client.write_stripe(13, data)
+        assert bytes(await client.read(13, st, 0, 4096)) == data[:4096]
+        dev = st.devices[0]
+        node = nodes.transport.device_node[dev]
+        assert node.idle
+        for conn in node.idle:  # the node closed them (as a restarted node would)
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        assert bytes(await client.read(13, st, 4096, 4096)) == data[4096:8192]
+        assert nodes.transport.is_up(dev) and client.stats["degraded_reads"] == 0
+    run_with_nodes(tmp_path, body)
+
+
+def test_read_waits_for_a_fragment_being_written(tmp_path):
+    """A READ never sees a fragment file half-written (repair rewrites in place)."""
+    store_path = str(tmp_path / "d0")
+    FileStore.format(store_path, "vol", 0)
+    store = FileStore(store_path, "vol", 0)
+    server = NodeServer("n0", SECRET, {0: store})
+    name = fr.fragment_name(5, 0)
+    store.write(name, [b"a" * 100_000])
+    entered, release = threading.Event(), threading.Event()
+    real_write = store.write
+
+    def slow_write(n, parts):
+        with open(store._file(n), "wb") as f:
+            f.write(b"b" * 10)  # torn for now
+        entered.set()
+        release.wait(5)
+        real_write(n, parts)
+    store.write = slow_write
+    writer = threading.Thread(target=server._dispatch, args=(
+        pb.Request(op=pb.Request.PUT, device=0, name=name), memoryview(b"b" * 100_000)))
+    writer.start()
+    assert entered.wait(5)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(server._dispatch(
+        pb.Request(op=pb.Request.READ, device=0, name=name,
+                   ranges=[pb.Range(offset=0, length=100_000)]), b"")))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive()  # waiting for the write
+    release.set()
+    writer.join(5)
+    reader.join(5)
+    resp, parts = got[0]
+    assert list(resp.lengths) == [100_000] and parts[0] == b"b" * 100_000
+
+
+@pytest.mark.parametrize("chunk", [7, 4099, 1 << 20])
+def test_framing_split_and_coalesced(chunk):
+    """Frames arrive in pieces of any size, or several in one segment; both ends agree."""
+    a, b = socket.socketpair()
+    frames = [(pb.Response(id=i, lengths=[n]), os.urandom(n))
+              for i, n in enumerate([0, 5, 70_000, 3, 300_000, 10])]
+    wire = bytearray()
+    for msg, payload in frames:
+        head = msg.SerializeToString()
+        wire += PREFIX.pack(len(head), len(payload)) + head + payload
+
+    def feed():
+        for i in range(0, len(wire), chunk):
+            a.sendall(wire[i:i + chunk])
+    t = threading.Thread(target=feed)
+    t.start()
+    blocking = BlockingConnection(b, 4096)
+    for msg, payload in frames[:3]:
+        got, view = blocking.recv(pb.Response)
+        assert got.id == msg.id and bytes(view) == payload
+    rest = blocking.pending()
+
+    async def async_side():
+        b.setblocking(False)
+        conn = Connection(trio.socket.from_stdlib_socket(b), 4096)
+        conn._buf[:len(rest)] = rest  # hand over what was read ahead
+        conn._start, conn._end = 0, len(rest)
+        for msg, payload in frames[3:]:
+            got, view = await conn.recv(pb.Response, own_payload=True)
+            assert got.id == msg.id and bytes(view) == payload
+    trio.run(async_side)
+    t.join()
+    a.close()
+    b.close()
+
+
+def test_oversized_frame_is_refused():
+    a, b = socket.socketpair()
+    a.sendall(struct.pack("<II", 10, 1 << 30))
+    with pytest.raises(Exception, match="oversized"):
+        BlockingConnection(b).recv(pb.Request)
+    a.close()
+    b.close()

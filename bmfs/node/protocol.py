@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import select
+import socket
 import struct
 
 import trio
@@ -116,18 +118,47 @@ class _Framing:
 
 
 class Connection(_Framing):
-    """One framed connection over a trio socket, with a reusable receive buffer."""
+    """One framed connection for trio tasks, with a reusable receive buffer.
 
-    def __init__(self, sock: trio.socket.SocketType, buffer_size: int = 1 << 20):
+    Takes a trio socket (or a non-blocking stdlib one) and works on the stdlib socket
+    with trio's ``wait_readable``/``wait_writable``: a call that can complete at once
+    costs no trip through the scheduler (trio's socket methods add one to each call).
+    It still yields whenever it waits, so a stalled peer can be cancelled or timed out.
+    """
+
+    def __init__(self, sock, buffer_size: int = 1 << 20):
+        if isinstance(sock, trio.socket.SocketType):
+            sock = socket.socket(fileno=sock.detach())
+        sock.setblocking(False)
         super().__init__(sock, buffer_size)
+        self.wait_in_place = 0  # ms: see _recv_into
+        self._poll = None
+
+    async def _recv_into(self, view) -> int:
+        while True:
+            try:
+                n = self.sock.recv_into(view)
+            except BlockingIOError:
+                if self.wait_in_place:
+                    # the caller knows nothing else is waiting: block this thread in
+                    # poll(2) for a moment, which costs less than a scheduler round
+                    if self._poll is None:
+                        self._poll = select.poll()
+                        self._poll.register(self.sock, select.POLLIN)
+                    ready = self._poll.poll(self.wait_in_place)
+                    self.wait_in_place = 0
+                    if ready:
+                        continue
+                await trio.lowlevel.wait_readable(self.sock)
+                continue
+            if n == 0:
+                raise EOFError("connection closed by peer")
+            return n
 
     async def _fill(self, need: int) -> None:
         view = self._room(need)
         while view is not None and self._end - self._start < need:
-            n = await self.sock.recv_into(view[self._end:])
-            if n == 0:
-                raise EOFError("connection closed by peer")
-            self._end += n
+            self._end += await self._recv_into(view[self._end:])
 
     async def recv(self, message_type, own_payload: bool = False) -> tuple[object, memoryview]:
         """The next frame: (parsed header, payload view valid until the next recv).
@@ -143,10 +174,7 @@ class Connection(_Framing):
             return msg, (memoryview(bytes(view)) if own_payload else view)
         view, got = self._own_start(plen)
         while got < plen:
-            n = await self.sock.recv_into(view[got:])
-            if n == 0:
-                raise EOFError("connection closed by peer")
-            got += n
+            got += await self._recv_into(view[got:])
         return msg, view
 
     async def send(self, message, payload_parts=()) -> None:
@@ -155,12 +183,18 @@ class Connection(_Framing):
             await self._sendall(frame)
             return
         while frame:
-            self._advance(frame, await self.sock.sendmsg(frame))
+            try:
+                self._advance(frame, self.sock.sendmsg(frame))
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
 
     async def _sendall(self, data) -> None:
         view = memoryview(data)
         while view:
-            view = view[await self.sock.send(view):]
+            try:
+                view = view[self.sock.send(view):]
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
 
 
 class BlockingConnection(_Framing):

@@ -20,7 +20,6 @@ import errno
 import json
 import logging
 import os
-import socket
 import threading
 import time
 
@@ -106,9 +105,8 @@ class NodeServer:
             log.warning("rejected a connection: %s", e)
             conn.close()
             return
-        sock = socket.socket(fileno=stream.socket.detach())
-        sock.setblocking(True)
-        blocking = BlockingConnection(sock, pending=conn.pending())
+        conn.sock.setblocking(True)
+        blocking = BlockingConnection(conn.sock, pending=conn.pending())
         # abandon_on_cancel: at shutdown the thread may sit in recv; the process exits
         await trio.to_thread.run_sync(self._serve_connection, blocking,
                                       abandon_on_cancel=True, limiter=self.connections)

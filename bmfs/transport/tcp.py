@@ -8,6 +8,7 @@ waiting on it again.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import json
@@ -23,6 +24,8 @@ Op = pb.Request.Op
 DOWN_FOR = 2.0        # seconds a failed node is skipped before it is tried again
 CONNECT_TIMEOUT = 2.0
 CLIENT_BUFFER = 256 << 10  # replies larger than 64 KiB get buffers of their own
+_NO_DEADLINE = contextlib.nullcontext()
+WAIT_IN_PLACE = 1           # ms a lone request's reply is waited for in poll(2)
 SMALL_READ = 64 << 10      # reads up to this size measure a node's latency (for hedging)
 
 
@@ -44,6 +47,7 @@ class TcpTransport:
         self.nodes = {addr: _Node(addr) for addr in set(devices.values())}
         self.device_node = {dev: self.nodes[addr] for dev, addr in devices.items()}
         self._ids = itertools.count(1)
+        self._inflight = 0  # requests under way
         self.stores = {dev: addr for dev, addr in devices.items()}  # for status
 
     def is_up(self, dev: int) -> bool:
@@ -56,10 +60,14 @@ class TcpTransport:
             try:
                 await sock.connect((node.host, node.port))
                 sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
-                conn = Connection(sock, CLIENT_BUFFER)
-                await client_handshake(conn, self.secret)
             except BaseException:
                 sock.close()
+                raise
+            conn = Connection(sock, CLIENT_BUFFER)
+            try:
+                await client_handshake(conn, self.secret)
+            except BaseException:
+                conn.close()
                 raise
         return conn
 
@@ -70,12 +78,19 @@ class TcpTransport:
         req.id = next(self._ids)
         req.device = dev
         conn = None
+        limit = timeout or self.timeout
+        # a caller's deadline that comes first (a hedged read's) makes ours redundant:
+        # skip it, a deadline scope costs as much as the rest of a small request
+        own = trio.current_effective_deadline() - trio.current_time() > limit
+        self._inflight += 1
         try:
-            with trio.fail_after(timeout or self.timeout):
+            with trio.fail_after(limit) if own else _NO_DEADLINE:
                 while True:
                     pooled = bool(node.idle)
                     conn = node.idle.pop() if pooled else await self._connect(node)
                     try:
+                        if self._inflight == 1 and not parts:
+                            conn.wait_in_place = WAIT_IN_PLACE
                         await conn.send(req, parts)
                         # the payload is a buffer of its own (large ones are received
                         # into it directly): slices of it are handed out without copies
@@ -98,6 +113,8 @@ class TcpTransport:
             if conn is not None:  # cancelled mid-request: the stream is out of step
                 conn.close()
             raise
+        finally:
+            self._inflight -= 1
         if resp.id != req.id:
             conn.close()
             raise DeviceError(dev, f"node {node.address}: reply out of order")

@@ -44,7 +44,7 @@ class DataClient:
         self.stats = {"degraded_reads": 0, "corrupt_fragments": 0, "missing_fragments": 0}
         # the last stripes decoded by degraded reads: a sequential reader asks for the
         # same stripe several times (one request per MiB or less), decode it once
-        self._decoded: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()
+        self._decoded: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
         self._decoding: dict[int, trio.Event] = {}  # stripes being decoded right now
         # block checksum tables of fragments whose header was read and verified: a
         # small read then fetches (and checks) just its blocks
@@ -180,8 +180,16 @@ class DataClient:
         return await self._read_hedged(sid, st, offset, end, delay, wanted)
 
     async def _read_decoded(self, sid, st, offset, end, avoid=()):
-        data = await self._read_degraded(sid, st, avoid)
-        return memoryview(data)[offset:end] if end - offset > 4096 else data[offset:end]
+        """Bytes [offset, end) from the stripe decoded as a whole (see _read_degraded)."""
+        parts = await self._read_degraded(sid, st, avoid)
+        bs = st.frag_len - LIB_HEADER
+        first, last = offset // bs, (end - 1) // bs
+        if first == last:
+            out = parts[first][offset - first * bs:end - first * bs]
+        else:
+            out = b"".join(parts[i][max(offset, i * bs) - i * bs:min(end, (i + 1) * bs) - i * bs]
+                           for i in range(first, last + 1))
+        return out if len(out) > 4096 else bytes(out)
 
     async def _read_hedged(self, sid, st, offset, end, delay, slow):
         """Read directly; if that fails or takes longer than ``delay``, give up on it and
@@ -255,13 +263,15 @@ class DataClient:
             return out  # a view of the reply's own buffer: no copy
         return bytes(out)
 
-    async def _read_fragment(self, sid, st, index) -> bytes:
+    async def _read_fragment(self, sid, st, index, copy=True):
+        """The whole fragment (pyeclib's header included), verified: bytes, or with
+        ``copy=False`` possibly a view of the reply's buffer."""
         dev = st.devices[index]
         if dev == NO_DEVICE:
             raise _Missing()
         payload = await self._read_checked(sid, st, index, dev,
                                            fr.header_length(st.frag_len), 0, st.frag_len)
-        return payload if isinstance(payload, bytes) else bytes(payload)
+        return bytes(payload) if copy and not isinstance(payload, bytes) else payload
 
     async def _read_checked(self, sid, st, index, dev, hlen, first_block, length,
                             cached_table=False):
@@ -302,9 +312,10 @@ class DataClient:
             self._damaged(sid, index, f"unreadable: {e}")
             raise
 
-    async def _read_degraded(self, sid, st, avoid=()) -> bytes:
-        """Decode the whole stripe from k intact fragments (cached: stripes are
-        immutable, so a decoded stripe stays right until its id is reused, never)."""
+    async def _read_degraded(self, sid, st, avoid=()) -> tuple[memoryview, ...]:
+        """The stripe decoded from k intact fragments, as the k data fragments' payloads
+        (views, trimmed to the stripe's length). Cached: stripes are immutable, so a
+        decoded stripe stays right until its id is reused, never."""
         cached = self._decoded.get(sid)
         if cached is not None:
             self._decoded.move_to_end(sid)
@@ -325,7 +336,7 @@ class DataClient:
             self._decoded.popitem(last=False)
         return data
 
-    async def _decode_stripe(self, sid, st, avoid=()) -> bytes:
+    async def _decode_stripe(self, sid, st, avoid=()) -> tuple[memoryview, ...]:
         """Fetch k fragments: those on devices that are up and not in ``avoid`` first
         (data fragments before parity), the others only as replacements for failures."""
         self.stats["degraded_reads"] += 1
@@ -341,7 +352,7 @@ class DataClient:
         async def fetch_one():  # one fragment: the next candidate that reads intact
             for i in candidates:
                 try:
-                    got[i] = await self._read_fragment(sid, st, i)
+                    got[i] = await self._read_fragment(sid, st, i, copy=False)
                     return
                 except (DeviceError, fr.CorruptFragment, _Missing):
                     continue
@@ -352,20 +363,32 @@ class DataClient:
         if len(got) < k:
             raise IOFailure(f"stripe {sid}: only {len(got)} of {st.k + st.m} fragments "
                             f"readable, {k} needed")
-        frags = [got[i] for i in sorted(got)]
-        if sorted(got) == list(range(k)):  # the data fragments themselves: no decode
-            bs, left, views = st.frag_len - LIB_HEADER, st.length, []
-            for f in frags:
-                views.append(memoryview(f)[LIB_HEADER:LIB_HEADER + min(bs, left)])
-                left -= len(views[-1])
-            return b"".join(views)
-        return await trio.to_thread.run_sync(codec(st.k, st.m).decode, frags)
+        missing = [i for i in range(k) if i not in got]
+        if missing:  # rebuild just the missing data fragments (a full decode costs 4x)
+            frags = [bytes(got[i]) for i in sorted(got)]  # pyeclib takes bytes only
+            rebuilt = await trio.to_thread.run_sync(_reconstruct, codec(st.k, st.m),
+                                                    frags, missing)
+            got.update(zip(missing, rebuilt))
+        # the code is systematic: the stripe is the data fragments' payloads in order
+        bs, left, views = st.frag_len - LIB_HEADER, st.length, []
+        for i in range(k):
+            views.append(memoryview(got[i])[LIB_HEADER:LIB_HEADER + min(bs, left)])
+            left -= len(views[-1])
+        return tuple(views)
 
     def _damaged(self, sid, index, why):
         key = "corrupt_fragments" if why.startswith("corrupt") else "missing_fragments"
         self.stats[key] += 1
         log.warning("stripe %d fragment %d %s", sid, index, why)
         self.on_damage(sid, index, why)
+
+
+def _reconstruct(cd, fragments: list[bytes], missing: list[int]) -> list[bytes]:
+    """The fragments ``missing`` (indexes) rebuilt from k others, headers included."""
+    if hasattr(cd, "reconstruct"):
+        return cd.reconstruct(fragments, missing)
+    # data/codec.py has no reconstruct yet: pyeclib's, through its driver
+    return cd._driver.reconstruct(fragments, missing)
 
 
 class _Missing(Exception):

@@ -19,7 +19,7 @@ import trio
 
 from ..errors import IOFailure, NoSpace
 from ..meta.records import EC, INLINE, NO_DEVICE, Stripe
-from ..transport import DeviceError
+from ..transport import DeviceError, run_in_thread
 from . import fragment as fr
 from .codec import LIB_HEADER, codec
 from .placement import place_available
@@ -66,7 +66,7 @@ class DataClient:
         def encode():  # one hop to a worker thread for the CPU work of a stripe
             frags = cd.encode(data)
             return frags, [fr.build_header(sid, i, k, m, f) for i, f in enumerate(frags)]
-        frags, headers = await trio.to_thread.run_sync(encode)
+        frags, headers = await run_in_thread(encode)
         live = [d for d in self.devices if self.transport.is_up(d)] or list(self.devices)
         devs = place_available(sid, live, k + m, self.domains)
         stored = [NO_DEVICE] * (k + m)
@@ -366,8 +366,7 @@ class DataClient:
         missing = [i for i in range(k) if i not in got]
         if missing:  # rebuild just the missing data fragments (a full decode costs 4x)
             frags = [bytes(got[i]) for i in sorted(got)]  # pyeclib takes bytes only
-            rebuilt = await trio.to_thread.run_sync(_reconstruct, codec(st.k, st.m),
-                                                    frags, missing)
+            rebuilt = await run_in_thread(_reconstruct, codec(st.k, st.m), frags, missing)
             got.update(zip(missing, rebuilt))
         # the code is systematic: the stripe is the data fragments' payloads in order
         bs, left, views = st.frag_len - LIB_HEADER, st.length, []

@@ -4,7 +4,13 @@ Interface (all async): ``put(dev, name, parts)``, ``read(dev, name, ranges) -> l
 of bytes``, ``delete(dev, name)``, ``sync(dev)``, ``aclose()``. A transport raises
 ``DeviceError`` when a device cannot serve a request (missing, down, I/O error); the
 data client treats that like a lost fragment.
+
+``run_in_thread`` is how the data path runs blocking or CPU-heavy work off the event
+loop.
 """
+from __future__ import annotations
+
+import trio
 
 
 class DeviceError(Exception):
@@ -13,3 +19,24 @@ class DeviceError(Exception):
     def __init__(self, dev: int, message: str):
         super().__init__(f"device {dev}: {message}")
         self.dev = dev
+
+
+async def run_in_thread(fn, *args, limiter: trio.CapacityLimiter | None = None):
+    """``fn(*args)`` in one of trio's cached worker threads; its result or exception.
+
+    Like ``trio.to_thread.run_sync`` (not cancellable while it runs), without the
+    per-call naming of the OS thread (two prctl calls and string formatting per job,
+    about 5% of the mount's CPU when it writes).
+    """
+    if limiter is not None:
+        async with limiter:
+            return await run_in_thread(fn, *args)
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+
+    def deliver(result) -> None:
+        token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+    await trio.lowlevel.checkpoint_if_cancelled()
+    trio.lowlevel.start_thread_soon(lambda: fn(*args), deliver)
+    return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)

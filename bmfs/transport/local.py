@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import trio
 
-from . import DeviceError
+from . import DeviceError, run_in_thread
 
 
 class LocalTransport:
@@ -20,8 +20,7 @@ class LocalTransport:
         if store is None or isinstance(store, Exception):
             raise DeviceError(dev, str(store) if store else "unknown device")
         try:
-            return await trio.to_thread.run_sync(getattr(store, method), *args,
-                                                 limiter=self._limiter)
+            return await run_in_thread(getattr(store, method), *args, limiter=self._limiter)
         except OSError as e:
             raise DeviceError(dev, f"{method} failed: {e}") from e
 

@@ -71,7 +71,11 @@ class TcpTransport:
                 raise
         return conn
 
-    async def request(self, dev: int, req, parts=(), timeout: float | None = None):
+    async def request(self, dev: int, req, parts=(), timeout: float | None = None,
+                      quick: bool = False):
+        """Send ``req`` (with payload ``parts``) to ``dev``'s node; (reply, payload view).
+        ``quick``: a short reply is expected soon (a small READ): if no other request
+        is under way, wait for it in poll(2) rather than in the event loop."""
         node = self.device_node.get(dev)
         if node is None:
             raise DeviceError(dev, "unknown device")
@@ -89,7 +93,7 @@ class TcpTransport:
                     pooled = bool(node.idle)
                     conn = node.idle.pop() if pooled else await self._connect(node)
                     try:
-                        if self._inflight == 1 and not parts:
+                        if quick and self._inflight == 1:
                             conn.wait_in_place = WAIT_IN_PLACE
                         await conn.send(req, parts)
                         # the payload is a buffer of its own (large ones are received
@@ -134,7 +138,8 @@ class TcpTransport:
         t0 = time.monotonic()
         resp, payload = await self.request(
             dev, pb.Request(op=Op.READ, name=name,
-                            ranges=[pb.Range(offset=o, length=n) for o, n in ranges]))
+                            ranges=[pb.Range(offset=o, length=n) for o, n in ranges]),
+            quick=sum(n for _, n in ranges) <= SMALL_READ)
         if len(payload) <= SMALL_READ:  # the round trip, not the transfer time
             node = self.device_node[dev]
             node.latency = 0.8 * node.latency + 0.2 * (time.monotonic() - t0)

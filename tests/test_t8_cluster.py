@@ -104,8 +104,10 @@ def test_two_nodes_killed_then_repaired(cluster, tmp_path):
         assert st["data"]["degraded_reads"] > 0
         cluster.start()
         time.sleep(2.5)                          # the transport retries down nodes after 2 s
+        # the mount's background repair may get there first: `bmfs repair` then waits
+        # for it and finds less (or nothing) left to do
         r = json.loads(bmfs("repair", mp, "--json").stdout)
-        assert r["stripes_failed"] == 0 and r["fragments_rebuilt"] > 0
+        assert r["stripes_failed"] == 0
         s = json.loads(bmfs("scrub", mp, "--json").stdout)
         assert s["bad_fragments"] == 0 and s["stripes"] == 0  # full redundancy again
         st = _status(mp)

@@ -6,6 +6,12 @@
   fragments), re-encoded, and each bad fragment is written to a live device that holds
   no other fragment of the stripe; then the stripe record is updated in a transaction
   that re-reads it, so concurrent reference changes are kept.
+- One repair runs at a time per volume (background repair, ``bmfs repair``, scrub and
+  drain of one mount share a lock): two runs would rebuild the same fragment twice
+  and one's stale device list could overwrite the other's, pointing a fragment at a
+  copy the other had deleted. A run that waited starts from the records as they are
+  then. Across mounts (etcd) the commit only moves a fragment whose record still
+  names the device it replaced; otherwise its new copy is deleted.
 - ``scrub`` reads every fragment in full, checks every block checksum, queues the bad
   ones and repairs them.
 - ``drain`` marks a device as draining (no new fragments), repairs everything off it,
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 
 import trio
 
@@ -26,6 +33,14 @@ from ..meta.records import EC, NO_DEVICE, Stripe
 from ..transport import DeviceError
 
 log = logging.getLogger(__name__)
+_locks: "weakref.WeakKeyDictionary[object, trio.Lock]" = weakref.WeakKeyDictionary()
+
+
+def _lock(volume) -> trio.Lock:
+    lock = _locks.get(volume)
+    if lock is None:
+        lock = _locks[volume] = trio.Lock()
+    return lock
 
 
 async def _queued(volume) -> dict[int, set[int]]:
@@ -59,55 +74,80 @@ async def repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: set
         volume.data.uncommitted.discard(sid)
 
 
-async def _repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: set[int]) -> int:
-    data = await volume.data.read(sid, st, 0, st.length)
-    frags = await trio.to_thread.run_sync(codec(st.k, st.m).encode, data)
-    if len(frags[0]) != st.frag_len:
-        raise IOFailure(f"stripe {sid}: re-encoding gave another fragment size")
-    devices = list(st.devices)
-    moved = 0
+def _targets(volume, sid: int, st: Stripe, bad: list[int], avoid: set[int]) -> dict[int, int]:
+    """Index -> the live device each bad fragment goes to (one with no other fragment of
+    the stripe, in a new failure domain if possible); indexes with no spare are left out."""
+    devices, out = list(st.devices), {}
     for i in bad:
         holding = {d for j, d in enumerate(devices) if j != i}
         candidates = [d for d in volume.data.devices
                       if d not in avoid and d not in holding and volume.transport.is_up(d)]
         if not candidates:
-            log.warning("stripe %d fragment %d: no spare device; stays degraded", sid, i)
+            log.debug("stripe %d fragment %d: no spare device; stays degraded", sid, i)
             continue
         doms = volume.data.domains
         used = {doms.get(d, d) for d in holding}
         fresh = [d for d in candidates if doms.get(d, d) not in used]  # a new failure domain
         pool = fresh or candidates
-        target = pool[(sid + i) % len(pool)]
+        out[i] = devices[i] = pool[(sid + i) % len(pool)]
+    return out
+
+
+async def _repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: set[int]) -> int:
+    targets = _targets(volume, sid, st, bad, avoid)
+    if not targets:  # nowhere to put them (nodes down): no read, they stay queued
+        return 0
+    data = await volume.data.read(sid, st, 0, st.length)
+    frags = await trio.to_thread.run_sync(codec(st.k, st.m).encode, data)
+    if len(frags[0]) != st.frag_len:
+        raise IOFailure(f"stripe {sid}: re-encoding gave another fragment size")
+    devices = list(st.devices)
+    moved: dict[int, int] = {}  # index -> the device it was moved from
+    for i, target in targets.items():
         head = fr.build_header(sid, i, st.k, st.m, frags[i])
         try:
             await volume.transport.put(target, fr.fragment_name(sid, i), [head, frags[i]])
         except DeviceError as e:
             log.warning("stripe %d fragment %d: %s", sid, i, e)
             continue
-        old, devices[i] = devices[i], target
-        moved += 1
-        if old not in (NO_DEVICE, target):  # names are per index: other fragments stay
-            try:
-                await volume.transport.delete(old, fr.fragment_name(sid, i))
-            except DeviceError:
-                pass  # gone with its device; fsck --repair sweeps leftovers
+        moved[i], devices[i] = devices[i], target
+
+    applied: list[int] = []
+    final: list[int] = []  # the device list as committed
 
     async def fn(txn):
+        applied.clear()
         raw = await txn.get(keys.stripe(sid))
         if raw is None:
             return  # freed meanwhile: fsck --repair sweeps the rebuilt fragments
         cur = Stripe.unpack(raw)
-        cur.devices = devices
+        for i, old in moved.items():
+            if cur.devices[i] == old:  # nobody else moved it meanwhile
+                cur.devices[i] = devices[i]
+                applied.append(i)
+        final[:] = cur.devices
         txn.put(keys.stripe(sid), cur.pack())
-        for i in range(st.k + st.m):
-            if volume.data.needs_repair(cur).count(i) == 0 and devices[i] not in avoid:
-                txn.delete(keys.damage(sid, i))
+        for i in applied:
+            txn.delete(keys.damage(sid, i))
     await volume.kv.transact(fn)
-    return moved
+    for i, old in moved.items():
+        # names are per index, so other fragments stay. The replaced copy goes; so does
+        # our new one if another repair moved the fragment elsewhere first.
+        gone = old if i in applied else devices[i]
+        if final and gone not in (NO_DEVICE, final[i]):
+            try:
+                await volume.transport.delete(gone, fr.fragment_name(sid, i))
+            except DeviceError:
+                pass  # gone with its device; fsck --repair sweeps leftovers
+    return len(applied)
 
 
 async def repair(volume, avoid: set[int] | None = None, progress=None) -> dict:
-    avoid = avoid or set()
+    async with _lock(volume):
+        return await _repair(volume, avoid or set(), progress)
+
+
+async def _repair(volume, avoid: set[int], progress) -> dict:
     await volume.record_damage()  # damage seen by reads so far joins the queue first
     queued = await _queued(volume)
     todo = []
@@ -125,7 +165,9 @@ async def repair(volume, avoid: set[int] | None = None, progress=None) -> dict:
     moved = failed = 0
     for n, (sid, st, bad) in enumerate(todo, 1):
         try:
-            moved += await repair_stripe(volume, sid, st, bad, avoid)
+            raw = await volume.kv.get(keys.stripe(sid))
+            if raw is not None:  # else freed meanwhile
+                moved += await repair_stripe(volume, sid, Stripe.unpack(raw), bad, avoid)
         except (IOFailure, DeviceError) as e:
             failed += 1
             log.warning("repair of stripe %d failed: %s", sid, e)

@@ -186,6 +186,7 @@ def test_read_waits_for_a_fragment_being_written(tmp_path):
         release.wait(5)
         real_write(n, parts)
     store.write = slow_write
+    store.write_aligned = lambda n, buf: slow_write(n, [buf])  # large PUTs: O_DIRECT
     writer = threading.Thread(target=server._dispatch, args=(
         pb.Request(op=pb.Request.PUT, device=0, name=name), memoryview(b"b" * 100_000)))
     writer.start()

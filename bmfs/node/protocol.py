@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import mmap
 import os
 import select
 import socket
@@ -27,6 +28,8 @@ MAX_PAYLOAD = 64 << 20
 HANDSHAKE_TIMEOUT = 5.0
 OWN_DIRECT = 64 << 10  # own payloads larger than this are received into their own buffer
 SEND_JOIN = 64 << 10   # payloads up to this are joined with the header into one send
+ALIGNED = 64 << 10     # a node receives larger payloads into a page-aligned buffer
+READ_AHEAD = 64 << 10  # a blocking receive takes at most this much beyond what it needs
 
 
 class ProtocolError(Exception):
@@ -200,26 +203,52 @@ class Connection(_Framing):
 class BlockingConnection(_Framing):
     """The same framing over a blocking socket: a node serves each connection in a
     thread of its own (a blocking recv wakes that thread directly, which costs far
-    less than an event loop's round per request)."""
+    less than an event loop's round per request).
+
+    A payload larger than ``ALIGNED`` is received into a page-aligned buffer of the
+    connection (so a store can write it with O_DIRECT); receives take at most
+    ``READ_AHEAD`` bytes past what they need, so little of it lands in the frame
+    buffer first and has to be moved."""
 
     def __init__(self, sock, buffer_size: int = 1 << 20, pending: bytes = b""):
         super().__init__(sock, buffer_size, pending)
+        self._aligned = None
 
     def _fill(self, need: int) -> None:
         view = self._room(need)
         while view is not None and self._end - self._start < need:
-            n = self.sock.recv_into(view[self._end:])
+            want = max(need - (self._end - self._start), READ_AHEAD)
+            n = self.sock.recv_into(view[self._end:], min(want, len(view) - self._end))
             if n == 0:
                 raise EOFError("connection closed by peer")
             self._end += n
 
+    def _aligned_view(self, n: int) -> memoryview:
+        if self._aligned is None or len(self._aligned) < n:
+            # an anonymous mapping starts on a page; an older one is freed with its views
+            self._aligned = memoryview(mmap.mmap(-1, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE))
+        return self._aligned[:n]
+
     def recv(self, message_type) -> tuple[object, memoryview]:
-        """The next frame: (parsed header, payload view valid until the next recv)."""
+        """The next frame: (parsed header, payload view valid until the next recv).
+        A payload larger than ``ALIGNED`` starts on a page boundary."""
         self._fill(PREFIX.size)
         hlen, plen = self._sizes()
-        self._fill(PREFIX.size + hlen + plen)
+        if plen <= ALIGNED:
+            self._fill(PREFIX.size + hlen + plen)
+            msg = self._header(message_type, hlen)
+            return msg, self._take(plen)
+        self._fill(PREFIX.size + hlen)
         msg = self._header(message_type, hlen)
-        return msg, self._take(plen)
+        view = self._aligned_view(plen)
+        got = min(plen, self._end - self._start)
+        view[:got] = self._take(got)
+        while got < plen:
+            n = self.sock.recv_into(view[got:])
+            if n == 0:
+                raise EOFError("connection closed by peer")
+            got += n
+        return msg, view
 
     def send(self, message, payload_parts=()) -> None:
         frame = self._frame(message, payload_parts)

@@ -28,7 +28,7 @@ import trio
 from ..store.file import FileStore
 from ..store.pmem import open_store
 from ..wire import node_pb2 as pb
-from .protocol import BlockingConnection, Connection, ProtocolError, server_handshake
+from .protocol import ALIGNED, BlockingConnection, Connection, ProtocolError, server_handshake
 
 log = logging.getLogger(__name__)
 Op = pb.Request.Op
@@ -186,7 +186,10 @@ class NodeServer:
             with self._written:
                 self._writing[key] = self._writing.get(key, 0) + 1
             try:
-                store.write(key[1], [payload])
+                if len(payload) > ALIGNED and hasattr(store, "write_aligned"):
+                    store.write_aligned(key[1], payload)  # O_DIRECT: no page cache copy
+                else:
+                    store.write(key[1], [payload])
             finally:
                 with self._written:
                     if self._writing[key] == 1:

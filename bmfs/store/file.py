@@ -9,6 +9,8 @@ durable: fsync of each file and directory, or one syncfs(2) when there are many.
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import json
 import os
 import threading
@@ -17,6 +19,7 @@ from ..errors import VolumeError
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYNCFS_THRESHOLD = 32
+DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in these units
 
 
 class FileStore:
@@ -69,6 +72,39 @@ class FileStore:
             n = os.writev(fd, parts)
             if n != total:  # short write: finish it
                 os.write(fd, b"".join(bytes(p) for p in parts)[n:])
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._pending.add(path)
+
+    def write_aligned(self, name: str, buf) -> None:
+        """``write(name, [buf])`` for a buffer that starts on a page boundary: its whole
+        pages go to the device with O_DIRECT, the tail with a plain write. Copying a
+        fragment into the page cache costs a storage node more CPU than the rest of a
+        PUT, and the data must reach the device before the PUT is acknowledged anyway.
+        Falls back to ``write`` where O_DIRECT is refused."""
+        path = self._file(name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT
+        try:
+            try:
+                fd = os.open(path, flags, 0o600)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(path, flags, 0o600)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            return self.write(name, [buf])
+        try:
+            done, whole = 0, len(buf) // DIRECT_ALIGN * DIRECT_ALIGN
+            try:
+                done = os.write(fd, buf[:whole]) if whole else 0
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: not aligned for this device
+                    raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            while done < len(buf):
+                done += os.pwrite(fd, buf[done:], done)
         finally:
             os.close(fd)
         with self._lock:

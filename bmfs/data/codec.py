@@ -1,8 +1,15 @@
-"""Erasure codec: pyeclib (ISA-L Reed-Solomon, Vandermonde) behind a small interface.
+"""Erasure codec: ISA-L Reed-Solomon (Vandermonde), pyeclib's ``isa_l_rs_vand``.
 
 The code is systematic: data fragment i carries bytes [i*B, (i+1)*B) of the stripe
-after pyeclib's own 80-byte fragment header, where B = fragment length - 80. A healthy
-read therefore needs no decode and can read a byte range of a single fragment.
+after liberasurecode's own 80-byte fragment header, where B = fragment length - 80. A
+healthy read therefore needs no decode and can read a byte range of a single fragment.
+
+Encoding runs in the C helper (bmfs/data/native.py) when it is built: the same bytes
+as pyeclib, with the GIL released, so a stripe is encoded in a worker thread while
+the event loop goes on serving FUSE (pyeclib holds the GIL for the whole encode).
+liberasurecode's 80-byte headers depend only on the stripe's length (no checksum
+type is set), so they are taken from one pyeclib encode per length and reused.
+Decoding and reconstruction (degraded reads, repair) stay with pyeclib.
 """
 from __future__ import annotations
 
@@ -10,22 +17,43 @@ import functools
 
 from pyeclib.ec_iface import ECDriver
 
+from .native import NATIVE
+
 LIB_HEADER = 80  # liberasurecode's per-fragment header
 EC_TYPE = "isa_l_rs_vand"
+HEADER_CACHE = 1024  # stripe lengths whose liberasurecode headers are kept
 
 
 class Codec:
-    def __init__(self, k: int, m: int):
+    def __init__(self, k: int, m: int, native=NATIVE):
         self.k, self.m = k, m
         self._driver = ECDriver(k=k, m=m, ec_type=EC_TYPE)
+        self._native = native
+        # stripe length -> (fragment payload length, the k+m liberasurecode headers)
+        self._headers: dict[int, tuple[int, bytes]] = {}
 
     def encode(self, data) -> list[bytes]:
-        """k+m fragments of equal length; fragments 0..k-1 hold the data in order."""
-        return self._driver.encode(bytes(data) if not isinstance(data, bytes) else data)
+        """k+m fragments of equal length; fragments 0..k-1 hold the data in order.
+        Thread-safe; the C path does not hold the GIL while it works."""
+        known = self._headers.get(len(data)) if self._native is not None else None
+        if known is None:
+            frags = self._driver.encode(data if isinstance(data, bytes) else bytes(data))
+            if self._native is not None:
+                if len(self._headers) >= HEADER_CACHE:
+                    self._headers.clear()
+                self._headers[len(data)] = (len(frags[0]) - LIB_HEADER,
+                                            b"".join(f[:LIB_HEADER] for f in frags))
+            return frags
+        payload, headers = known
+        return self._native.rs_encode(self.k, self.m, data, payload, headers)
 
     def decode(self, fragments: list[bytes]) -> bytes:
         """The stripe's data from any k intact fragments (their headers say which)."""
         return self._driver.decode(fragments)
+
+    def reconstruct(self, fragments: list[bytes], missing: list[int]) -> list[bytes]:
+        """The fragments ``missing`` (indexes) rebuilt from k others, headers included."""
+        return self._driver.reconstruct(fragments, missing)
 
     def fragment_length(self, data_length: int) -> int:
         info = self._driver.get_segment_info(data_length, max(data_length, 1))

@@ -1,0 +1,226 @@
+/* bmfs._native: the data path's CPU-heavy loops in C, run without the GIL.
+ *
+ * Caveats first: this module is optional. bmfs/data/codec.py and bmfs/data/fragment.py
+ * fall back to pyeclib and the crc32c package when it is missing (not built, or
+ * BMFS_NATIVE=0), and tests/test_t0_native.py checks that both paths produce the same
+ * bytes. It links ISA-L (Debian libisal-dev), the library pyeclib's isa_l_rs_vand
+ * backend runs on.
+ *
+ * crc32c_blocks(parts, block) -> bytes
+ *     The crc32c of each `block`-byte block of the concatenation of the buffers in
+ *     `parts` (the last block may be short), as little-endian uint32s: one call for a
+ *     fragment's whole checksum table instead of one Python call per 4 KiB.
+ *
+ * rs_encode(k, m, data, payload, headers) -> list of k+m bytes
+ *     Fragments of an ISA-L Reed-Solomon (Vandermonde) stripe, byte for byte what
+ *     pyeclib's isa_l_rs_vand encode returns: fragment i is headers[i*80:(i+1)*80] (the
+ *     80-byte liberasurecode header, which depends only on the lengths, so the caller
+ *     takes it from pyeclib once per length) followed by `payload` bytes; data fragment
+ *     i holds data[i*payload:(i+1)*payload], zero-padded; the m parity payloads are
+ *     computed with gf_gen_rs_matrix + ec_encode_data, as liberasurecode does.
+ *     The copy and the encode run with the GIL released, so the event loop keeps
+ *     serving FUSE requests meanwhile.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <isa-l/crc.h>
+#include <isa-l/erasure_code.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LIB_HEADER 80
+#define MAX_FRAGS 32
+
+static inline void put_le32(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)v;
+    p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16);
+    p[3] = (unsigned char)(v >> 24);
+}
+
+/* crc32_iscsi keeps the state un-inverted: crc32c(x) = ~crc32_iscsi(x, ~0). */
+static void crc_table(Py_buffer *bufs, Py_ssize_t nbufs, Py_ssize_t block, unsigned char *out)
+{
+    uint32_t state = 0xFFFFFFFFu;
+    Py_ssize_t left = block, nout = 0;
+    for (Py_ssize_t b = 0; b < nbufs; b++) {
+        unsigned char *p = bufs[b].buf;
+        Py_ssize_t n = bufs[b].len;
+        while (n > 0) {
+            Py_ssize_t take = n < left ? n : left;
+            while (take > 0) {  /* crc32_iscsi takes an int length */
+                int chunk = take > (1 << 30) ? (1 << 30) : (int)take;
+                state = crc32_iscsi(p, chunk, state);
+                p += chunk;
+                n -= chunk;
+                left -= chunk;
+                take -= chunk;
+            }
+            if (left == 0) {
+                put_le32(out + 4 * nout++, ~state);
+                state = 0xFFFFFFFFu;
+                left = block;
+            }
+        }
+    }
+    if (left != block)
+        put_le32(out + 4 * nout, ~state);
+}
+
+static PyObject *crc32c_blocks(PyObject *self, PyObject *args)
+{
+    PyObject *parts, *seq, *result = NULL;
+    Py_ssize_t block, nbufs, total = 0, got = 0;
+    Py_buffer *bufs;
+    if (!PyArg_ParseTuple(args, "On", &parts, &block))
+        return NULL;
+    if (block <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block size must be positive");
+        return NULL;
+    }
+    seq = PySequence_Fast(parts, "parts must be a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    nbufs = PySequence_Fast_GET_SIZE(seq);
+    bufs = PyMem_Calloc(nbufs ? nbufs : 1, sizeof(Py_buffer));
+    if (bufs == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (; got < nbufs; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &bufs[got], PyBUF_SIMPLE) < 0)
+            goto done;
+        total += bufs[got].len;
+    }
+    result = PyBytes_FromStringAndSize(NULL, 4 * ((total + block - 1) / block));
+    if (result == NULL)
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    crc_table(bufs, nbufs, block, (unsigned char *)PyBytes_AS_STRING(result));
+    Py_END_ALLOW_THREADS
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    Py_DECREF(seq);
+    return result;
+}
+
+/* Encode tables of one (k, m), made once: gf_gen_rs_matrix's parity rows. */
+typedef struct {
+    int k, m;
+    unsigned char *tables;
+} coder_t;
+
+static coder_t coders[8];
+static int ncoders;
+static PyThread_type_lock coders_lock;
+
+static unsigned char *tables_for(int k, int m)
+{
+    unsigned char *found = NULL, *matrix;
+    PyThread_acquire_lock(coders_lock, WAIT_LOCK);
+    for (int i = 0; i < ncoders; i++)
+        if (coders[i].k == k && coders[i].m == m)
+            found = coders[i].tables;
+    if (found == NULL && ncoders < (int)(sizeof(coders) / sizeof(coders[0]))) {
+        matrix = PyMem_RawMalloc((size_t)(k + m) * k);
+        found = PyMem_RawMalloc((size_t)32 * k * m);
+        if (matrix && found) {
+            gf_gen_rs_matrix(matrix, k + m, k);
+            ec_init_tables(k, m, matrix + k * k, found);
+            coders[ncoders].k = k;
+            coders[ncoders].m = m;
+            coders[ncoders++].tables = found;
+        } else {
+            PyMem_RawFree(found);
+            found = NULL;
+        }
+        PyMem_RawFree(matrix);
+    }
+    PyThread_release_lock(coders_lock);
+    return found;
+}
+
+static PyObject *rs_encode(PyObject *self, PyObject *args)
+{
+    int k, m;
+    Py_ssize_t payload;
+    Py_buffer data, headers;
+    PyObject *list = NULL;
+    unsigned char *tables, *frag[MAX_FRAGS];
+    if (!PyArg_ParseTuple(args, "iiy*ny*", &k, &m, &data, &payload, &headers))
+        return NULL;
+    if (k < 1 || m < 1 || k + m > MAX_FRAGS || payload < 1 || payload > INT_MAX ||
+        data.len > (Py_ssize_t)k * payload || headers.len != (Py_ssize_t)(k + m) * LIB_HEADER) {
+        PyErr_SetString(PyExc_ValueError, "rs_encode: inconsistent k, m, lengths or headers");
+        goto fail;
+    }
+    tables = tables_for(k, m);
+    if (tables == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    list = PyList_New(k + m);
+    if (list == NULL)
+        goto fail;
+    for (int i = 0; i < k + m; i++) {
+        PyObject *b = PyBytes_FromStringAndSize(NULL, LIB_HEADER + payload);
+        if (b == NULL)
+            goto fail;
+        PyList_SET_ITEM(list, i, b);
+        frag[i] = (unsigned char *)PyBytes_AS_STRING(b);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *src = data.buf;
+    Py_ssize_t left = data.len;
+    unsigned char *dptr[MAX_FRAGS], *pptr[MAX_FRAGS];
+    for (int i = 0; i < k + m; i++) {
+        memcpy(frag[i], (const unsigned char *)headers.buf + i * LIB_HEADER, LIB_HEADER);
+        if (i < k) {
+            Py_ssize_t n = left < payload ? left : payload;
+            memcpy(frag[i] + LIB_HEADER, src, n);
+            memset(frag[i] + LIB_HEADER + n, 0, payload - n);
+            src += n;
+            left -= n;
+            dptr[i] = frag[i] + LIB_HEADER;
+        } else {
+            pptr[i - k] = frag[i] + LIB_HEADER;
+        }
+    }
+    ec_encode_data((int)payload, k, m, tables, dptr, pptr);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&headers);
+    return list;
+fail:
+    Py_XDECREF(list);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&headers);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"crc32c_blocks", crc32c_blocks, METH_VARARGS,
+     "crc32c_blocks(parts, block) -> bytes: crc32c of each block of the parts' "
+     "concatenation, little-endian uint32s"},
+    {"rs_encode", rs_encode, METH_VARARGS,
+     "rs_encode(k, m, data, payload, headers) -> list of k+m fragments (pyeclib "
+     "isa_l_rs_vand layout)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "bmfs.data._native",
+    "The data path's CPU-heavy loops in C, without the GIL (native/bmfs_native.c).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void)
+{
+    coders_lock = PyThread_allocate_lock();
+    if (coders_lock == NULL)
+        return PyErr_NoMemory();
+    return PyModule_Create(&module);
+}

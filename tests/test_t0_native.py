@@ -1,0 +1,106 @@
+"""Level 0: the C helper (native/bmfs_native.c) against the Python path it replaces.
+
+Both paths must write the same bytes: a volume written by one is read by the other
+(a machine where the helper was not built, or BMFS_NATIVE=0). tools/setup.sh builds
+the helper, so its absence here is a failure, not a skip, unless BMFS_NATIVE=0 asks
+for the Python path.
+"""
+import os
+import random
+import struct
+import subprocess
+import sys
+
+import pytest
+from crc32c import crc32c
+from pyeclib.ec_iface import ECDriver
+
+from bmfs.data import fragment as fr
+from bmfs.data.codec import EC_TYPE, LIB_HEADER, Codec
+from bmfs.data.native import NATIVE
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_native = pytest.mark.skipif(os.environ.get("BMFS_NATIVE") == "0",
+                                  reason="BMFS_NATIVE=0: the Python path is under test")
+
+
+@needs_native
+def test_helper_is_built():
+    assert NATIVE is not None, "bmfs.data._native is missing: run tools/setup.sh"
+
+
+@needs_native
+@pytest.mark.parametrize("k,m", [(4, 2), (2, 1), (6, 3), (8, 4)])
+@pytest.mark.parametrize("size", [1, 17, 4095, 4096, 16_385, 100_000, 3 * 2**20 + 7, 4 << 20])
+def test_encode_is_byte_identical_to_pyeclib(k, m, size):
+    ref = ECDriver(k=k, m=m, ec_type=EC_TYPE)
+    fast = Codec(k, m)
+    rng = random.Random(size * 31 + k)
+    for round_ in range(3):  # the first encode of a length learns its headers
+        data = rng.randbytes(size)
+        arg = memoryview(data) if round_ == 2 else data  # stripes arrive as views too
+        got = fast.encode(arg)
+        assert got == ref.encode(data)
+        # and what the fast path wrote decodes with pyeclib from any k fragments
+        pick = rng.sample(range(k + m), k)
+        assert ref.decode([got[i] for i in pick]) == data
+
+
+@needs_native
+def test_encode_runs_concurrently_in_threads():
+    """Stripes are encoded in worker threads: the cached headers and the C tables
+    must stay right when several threads encode stripes of different lengths."""
+    import concurrent.futures
+    c = Codec(4, 2)
+    ref = ECDriver(k=4, m=2, ec_type=EC_TYPE)
+    rng = random.Random(5)
+    datas = [rng.randbytes(rng.choice([65_536, 1 << 20, 4 << 20, 123_457])) for _ in range(24)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(c.encode, datas))
+    for d, frags in zip(datas, outs):
+        assert frags == ref.encode(d)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 80, 1 << 20])
+def test_block_table_both_paths(size):
+    data = random.Random(size).randbytes(size)
+    want = b"".join(struct.pack("<I", crc32c(data[i:i + fr.BLOCK]))
+                    for i in range(0, size, fr.BLOCK))
+    assert fr.block_table(data, native=None) == want
+    if NATIVE is not None:
+        assert fr.block_table(data) == want
+        # parts are one stream: a fragment's table spans liberasurecode's header
+        cut = min(LIB_HEADER, size)
+        assert NATIVE.crc32c_blocks([data[:cut], memoryview(data)[cut:]], fr.BLOCK) == want
+
+
+@pytest.mark.parametrize("native", [None, NATIVE], ids=["python", "native"])
+def test_corrupt_block_is_named_on_both_paths(native):
+    import array
+    payload = random.Random(3).randbytes(6 * fr.BLOCK + 99)
+    table = fr.parse_header(fr.build_header(9, 1, 4, 2, payload), 9, 1, len(payload))
+    as_array = array.array("I", table)  # what the data client keeps
+    for t in (table, as_array):
+        fr.check_blocks(t, 0, payload, native=native)
+        fr.check_blocks(t, 2, payload[2 * fr.BLOCK:], native=native)
+        bad = bytearray(payload)
+        bad[4 * fr.BLOCK + 7] ^= 0x40
+        with pytest.raises(fr.CorruptFragment, match="block 4"):
+            fr.check_blocks(t, 0, bad, native=native)
+        with pytest.raises(fr.CorruptFragment, match="block 4"):
+            fr.check_blocks(t, 3, bytes(bad[3 * fr.BLOCK:]), native=native)
+
+
+@needs_native
+def test_python_fallback_runs_the_data_tests():
+    """BMFS_NATIVE=0 (as on a machine without the helper): codec, fragment and data
+    client tests pass on the pyeclib + crc32c path."""
+    env = dict(os.environ, BMFS_NATIVE="0")
+    code = ("from bmfs.data.native import NATIVE; assert NATIVE is None; "
+            "import bmfs.data.codec as c; assert c.codec(4, 2)._native is None")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=REPO)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/test_t0_codec.py", "tests/test_t0_native.py",
+                        "tests/test_t2_data.py"],
+                       env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

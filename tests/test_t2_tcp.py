@@ -18,6 +18,7 @@ from bmfs.data import fragment as fr
 from bmfs.node.protocol import BlockingConnection, Connection, PREFIX
 from bmfs.node.server import NodeServer
 from bmfs.store.file import FileStore
+from bmfs.transport import DeviceError
 from bmfs.transport.tcp import TcpTransport
 from bmfs.wire import node_pb2 as pb
 
@@ -108,6 +109,27 @@ def test_roundtrip_ranges_and_table_cache(tmp_path):
     run_with_nodes(tmp_path, body)
 
 
+def test_large_reads_sent_from_the_file_match_small_ones(tmp_path):
+    """READs over 64 KiB are sent with sendfile: same bytes, same clipping at the end of
+    the fragment, several ranges in one reply, as the small path."""
+    data = os.urandom(3 << 20)
+
+    async def body(nodes, client):
+        st = await client.write_stripe(3, data)
+        dev, name = st.devices[1], fr.fragment_name(3, 1)
+        with open(nodes.stores[dev]._file(name), "rb") as f:
+            whole = f.read()
+        end = len(whole)
+        for ranges in ([(0, 64)], [(0, 100), (5000, 300_000)], [(end - 1000, 200_000)],
+                       [(0, end)], [(end + 10, 100_000)], [(7, 70_000), (end - 3, 90_000)]):
+            got = await nodes.transport.read(dev, name, ranges)
+            assert [bytes(g) for g in got] == [whole[o:o + n] for o, n in ranges], ranges
+        with pytest.raises(DeviceError):
+            await nodes.transport.read(dev, fr.fragment_name(99, 1), [(0, 1 << 20)])
+        assert bytes(await client.read(3, st, 0, len(data))) == data  # the node still serves
+    run_with_nodes(tmp_path, body)
+
+
 def test_degraded_streaming_reads_fetch_k_fragments_once(tmp_path):
     data = os.urandom(4 << 20)
 
@@ -194,7 +216,7 @@ def test_read_waits_for_a_fragment_being_written(tmp_path):
     got = []
     reader = threading.Thread(target=lambda: got.append(server._dispatch(
         pb.Request(op=pb.Request.READ, device=0, name=name,
-                   ranges=[pb.Range(offset=0, length=100_000)]), b"")))
+                   ranges=[pb.Range(offset=0, length=60_000)]), b"")))
     reader.start()
     reader.join(0.3)
     assert reader.is_alive()  # waiting for the write
@@ -202,7 +224,7 @@ def test_read_waits_for_a_fragment_being_written(tmp_path):
     writer.join(5)
     reader.join(5)
     resp, parts = got[0]
-    assert list(resp.lengths) == [100_000] and parts[0] == b"b" * 100_000
+    assert list(resp.lengths) == [60_000] and parts[0] == b"b" * 60_000
 
 
 @pytest.mark.parametrize("chunk", [7, 4099, 1 << 20])

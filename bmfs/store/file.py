@@ -147,6 +147,11 @@ class FileStore:
         finally:
             os.close(fd)
 
+    def open_fragment(self, name: str) -> int:
+        """A read-only descriptor of the fragment file, for the caller to close (a
+        storage node sends large reads from it with sendfile)."""
+        return os.open(self._file(name), os.O_RDONLY)
+
     def read_parts(self, name: str, ranges) -> list[bytes]:
         fd = os.open(self._file(name), os.O_RDONLY)
         try:

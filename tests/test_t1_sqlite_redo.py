@@ -1,0 +1,163 @@
+"""Level 1: the SQLite engine's redo log (bmfs/kv/sqlite.py).
+
+Commits are appended to a redo log and applied to SQLite in batches: what a commit
+returned must survive the process dying before any batch was applied, a log torn by
+a power loss must give a prefix of the commits, and reads must see pending commits
+exactly as if they were in SQLite. The last test does it on a real mount, killed -9.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import trio
+
+from bmfs.kv import open_kv
+from bmfs.kv import sqlite as engine
+from mountutil import Mounted, assert_fsck_clean
+
+CRASHER = textwrap.dedent("""
+    import os, sys, trio
+    from bmfs.kv import open_kv
+
+    async def main():
+        kv = await open_kv(sys.argv[1])
+        for i in range(300):
+            t = kv.begin()
+            t.put(b"k%04d" % i, b"v%d" % i)
+            if i % 3 == 0 and i:
+                t.delete(b"k%04d" % (i - 1))
+            await kv.commit(t)
+        os._exit(0)  # dies like kill -9: no close, nothing flushed by us
+    trio.run(main)
+""")
+
+
+def _expected():
+    want = {}
+    for i in range(300):
+        want[b"k%04d" % i] = b"v%d" % i
+        if i % 3 == 0 and i:
+            want.pop(b"k%04d" % (i - 1))
+    return want
+
+
+def test_commits_survive_the_process_dying(tmp_path):
+    url = f"sqlite:{tmp_path}/meta.db"
+    subprocess.run([sys.executable, "-c", CRASHER, url], check=True)
+    assert os.path.getsize(f"{tmp_path}/meta.db-redo") > 0  # they were only in the log
+
+    async def main():
+        kv = await open_kv(url)
+        assert dict(await kv.range(b"k", b"l")) == _expected()
+        await kv.aclose()
+        assert os.path.getsize(f"{tmp_path}/meta.db-redo") == 0  # replayed, then cut
+        kv = await open_kv(url)
+        assert dict(await kv.range(b"k", b"l")) == _expected()
+        await kv.aclose()
+    trio.run(main)
+
+
+def test_torn_log_gives_a_prefix_and_stale_records_are_not_replayed(tmp_path):
+    url = f"sqlite:{tmp_path}/meta.db"
+    subprocess.run([sys.executable, "-c", CRASHER, url], check=True)
+    log = f"{tmp_path}/meta.db-redo"
+    buf = open(log, "rb").read()
+    records = list(engine._records(buf))
+    assert len(records) == 300
+    # a power loss: the tail half written, and records of before a cut behind new ones
+    first_two = engine._record(1, {b"a": b"1"}) + engine._record(2, {b"a": b"2"})
+    stale = engine._record(1, {b"a": b"old"})
+    with open(log, "wb") as f:
+        f.write(first_two + stale + buf[:len(buf) // 2])
+
+    async def main():
+        kv = await open_kv(url)
+        assert await kv.get(b"a") == b"2"
+        assert await kv.range(b"k", b"l") == []
+        await kv.aclose()
+    trio.run(main)
+
+
+def test_reads_merge_pending_commits(tmp_path):
+    """Pending puts and deletes over rows already in SQLite, through get, range and
+    range with a limit (a limit must not stop short because of pending deletes)."""
+    async def main():
+        kv = await open_kv(f"sqlite:{tmp_path}/meta.db")
+        t = kv.begin()
+        for i in range(20):
+            t.put(b"r%02d" % i, b"old%d" % i)
+        await kv.commit(t)
+        await kv.sync()  # now in SQLite itself
+        assert not kv._pending
+        model = {b"r%02d" % i: b"old%d" % i for i in range(20)}
+        t = kv.begin()
+        for i in range(0, 12):  # the first 12 rows deleted, pending
+            t.delete(b"r%02d" % i)
+            model.pop(b"r%02d" % i)
+        t.put(b"r05x", b"new")  # a pending row between deleted ones
+        t.put(b"r15", b"changed")
+        model[b"r05x"] = b"new"
+        model[b"r15"] = b"changed"
+        await kv.commit(t)
+        assert kv._pending
+        want = sorted(model.items())
+        assert await kv.range(b"r", b"s") == want
+        for limit in (1, 2, 3, 5, 30):
+            assert await kv.range(b"r", b"s", limit) == want[:limit]
+        assert await kv.range(b"r", b"", 2) == want[:2]
+        assert await kv.get(b"r03") is None and await kv.get(b"r15") == b"changed"
+        # a transaction that read a pending key conflicts like any other
+        t1, t2 = kv.begin(), kv.begin()
+        await t1.get(b"r15")
+        await t2.get(b"r15")
+        t2.put(b"r15", b"t2")
+        await kv.commit(t2)
+        t1.put(b"r15", b"t1")
+        from bmfs.errors import Conflict
+        try:
+            await kv._commit(t1.reads, t1.writes)
+            raise AssertionError("a stale read of a pending key did not conflict")
+        except Conflict:
+            pass
+        await kv.aclose()
+    trio.run(main)
+
+
+def test_batches_are_applied_as_commits_go_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine, "APPLY_KEYS", 64)
+
+    async def main():
+        kv = await open_kv(f"sqlite:{tmp_path}/meta.db")
+        for i in range(500):
+            t = kv.begin()
+            t.put(b"b%04d" % i, b"x" * 100)
+            await kv.commit(t)
+        assert len(kv._pending) < 64
+        assert kv._db.execute("SELECT count(*) FROM kv").fetchone()[0] > 400
+        assert len(await kv.range(b"b", b"c")) == 500
+        await kv.aclose()
+    trio.run(main)
+
+
+def test_metadata_operations_survive_kill9_of_the_mount(volume, tmp_path):
+    """Completed creates, renames and unlinks, with no fsync, are there after kill -9."""
+    mp = tmp_path / "mnt"
+    with Mounted(volume, mp) as m:
+        d = os.path.join(m.mp, "d")
+        os.mkdir(d)
+        for i in range(200):
+            with open(os.path.join(d, f"f{i}"), "wb") as f:
+                f.write(b"%d" % i * 100)
+        for i in range(0, 200, 2):
+            os.unlink(os.path.join(d, f"f{i}"))
+        os.rename(os.path.join(d, "f1"), os.path.join(m.mp, "moved"))
+        m.kill9()
+    with Mounted(volume, mp) as m:
+        d = os.path.join(m.mp, "d")
+        assert sorted(os.listdir(d)) == sorted(f"f{i}" for i in range(3, 200, 2))
+        with open(os.path.join(d, "f99"), "rb") as f:
+            assert f.read() == b"99" * 100
+        with open(os.path.join(m.mp, "moved"), "rb") as f:
+            assert f.read() == b"1" * 100
+    assert_fsck_clean(volume)

@@ -24,6 +24,18 @@ def run(cluster, fn, url=None):
     return trio.run(main)
 
 
+async def _put(kv, key, value):
+    txn = kv.begin()
+    txn.put(key, value) if value is not None else txn.delete(key)
+    await kv.commit(txn)
+
+
+async def _caches_live(*kvs):
+    with trio.fail_after(5):
+        while not all(kv.cache.live for kv in kvs):
+            await trio.sleep(0.01)
+
+
 async def _incr(txn):
     n = int(await txn.get(b"ctr") or b"0") + 1
     txn.put(b"ctr", b"%d" % n)
@@ -243,9 +255,7 @@ def test_read_cache_two_clients(etcd_cluster):
     async def main(a):
         b = await EtcdKV.create(etcd_cluster.url, cache=False)
         try:
-            with trio.fail_after(5):
-                while not a.cache.live:
-                    await trio.sleep(0.01)
+            await _caches_live(a)
             assert await a.transact(_incr) == 1        # a caches ctr at 1
             t = a.begin()
             assert await t.get(b"ctr") == b"1"
@@ -285,3 +295,100 @@ def test_read_cache_two_clients(etcd_cluster):
     finally:
         if victim:
             etcd_cluster.restart(victim[0])
+
+
+def test_write_behind_two_clients_serializable(etcd_cluster):
+    """Two clients committing behind (bmfs/kv/etcd_writeback.py) increment one counter
+    from several tasks each: the token passes between them (recalls), every increment
+    sees the one before it (no lost update, no value given twice), and a reader that
+    does not hold the token sees everything after a barrier."""
+    etcd_cluster.wipe()
+
+    async def main(a):
+        b = await EtcdKV.create(etcd_cluster.url)
+        c = await EtcdKV.create(etcd_cluster.url)  # a plain reader: never takes the token
+        got = []
+        try:
+            a.enable_write_behind()
+            b.enable_write_behind()
+            await _caches_live(a, b, c)
+
+            async def worker(kv, n):
+                for _ in range(n):
+                    got.append(await kv.transact(_incr))
+            # a alone first: it takes the token and commits behind
+            await worker(a, 100)
+            assert a.wb.holding and a.wb.entries + len(a.wb.queue) == 100
+            await c.barrier()  # recalls a's token: a commits its queue first
+            assert await c.get(b"ctr") == b"100" and not a.wb.holding
+            # the queue was sent in batches, not one transaction per increment
+            assert a.wb.entries == 100 and a.wb.batches < 50
+            # both now contend: the token goes back and forth (a short quiet time after a
+            # recall, so that both take it many times)
+            a.wb.quiet = b.wb.quiet = 0.02
+            before = a.wb.entries
+            with trio.fail_after(120):
+                async with trio.open_nursery() as n:
+                    for kv in (a, b, a, b):
+                        n.start_soon(worker, kv, 100)
+            await a.sync()
+            await b.sync()
+            assert sorted(got) == list(range(1, 501))
+            await c.barrier()
+            assert await c.get(b"ctr") == b"500"
+            assert a.wb.lost == b.wb.lost == 0
+            assert a.wb.entries > before and b.wb.entries > 0  # both decided locally
+        finally:
+            await b.aclose()
+            await c.aclose()
+    run(etcd_cluster, main)
+
+
+def test_complete_prefixes(etcd_cluster):
+    """A prefix read whole (or declared empty) answers lookups and ranges under it from
+    the cache, kept current by the watch; a wrong hint only costs a conflict."""
+    etcd_cluster.wipe()
+
+    async def main(a):
+        b = await EtcdKV.create(etcd_cluster.url, cache=False)
+        try:
+            await _caches_live(a)
+            for i in range(3):
+                await _put(b, b"d/%d" % i, b"v%d" % i)
+            await a.prefetch(b"d/")
+            assert a.cache.covers(b"d/")
+            calls = []
+            real = a._call
+
+            async def counting(path, body, timeout=None):
+                calls.append(path)
+                return await real(path, body, timeout)
+            a._call = counting
+            t = a.begin()
+            assert await t.get(b"d/9") is None                   # absent: known locally
+            assert [k for k, _ in await t.range(b"d/", b"d0")] == [b"d/0", b"d/1", b"d/2"]
+            assert calls == []
+            await _put(b, b"d/5", b"new")                       # elsewhere: the watch brings it
+            await _put(b, b"d/1", None)
+            await a.barrier()
+            calls.clear()
+            t = a.begin()
+            assert await t.range(b"d/", b"d0") == [(b"d/0", b"v0"), (b"d/2", b"v2"),
+                                                   (b"d/5", b"new")]
+            assert await t.get(b"d/5") == b"new" and calls == []
+            # a false "empty" hint: the commit compares, conflicts, and the retry reads afresh
+            await _put(b, b"e/x", b"there")
+            await a.barrier()
+            a.known_empty([b"e/"])
+
+            async def create_once(txn):
+                if await txn.get(b"e/x") is not None:
+                    return "exists"
+                txn.put(b"e/x", b"mine")
+                return "created"
+            a._call = real
+            assert await a.transact(create_once) == "exists"
+            assert await a.get(b"e/x") == b"there"
+        finally:
+            await b.aclose()
+    run(etcd_cluster, main)

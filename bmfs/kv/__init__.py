@@ -95,10 +95,25 @@ class KV(abc.ABC):
         """Like ``_get``, bypassing any read cache the engine keeps."""
         return await self._get(key)
 
-    async def barrier(self) -> None:
+    async def barrier(self) -> bool:
         """Close-to-open: after this, reads (also cached ones in transactions) reflect
-        every commit made, by any client, before it was called. Engines whose reads
-        are never stale need do nothing."""
+        every commit made, by any client, before it was called. Returns whether reads
+        made before it may have been older; engines whose reads are never stale need
+        do nothing (False)."""
+        return False
+
+    def statistics(self) -> dict:
+        """Engine-specific counters for `bmfs status --json` (``meta_engine``)."""
+        return {}
+
+    def known_empty(self, prefixes) -> None:
+        """Hint: no key under any of ``prefixes`` exists yet (the keys of an inode number
+        just allocated). Engines with a read cache use it to answer reads there locally."""
+
+    async def prefetch(self, prefix: bytes) -> None:
+        """Hint: keys under ``prefix`` are about to be looked up (a directory where a
+        name was not found: files are being created). Engines with a read cache may
+        read the prefix whole once and answer later lookups there locally."""
 
     async def get(self, key: bytes) -> bytes | None:
         """Latest committed value, outside any transaction (never from a cache)."""

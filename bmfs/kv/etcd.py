@@ -64,11 +64,13 @@ import trio
 
 from ..errors import Conflict, IOFailure, NotFound, Unavailable
 from . import KV, prefix_end
-from .etcd_cache import ReadCache
+from .etcd_cache import COMPLETE_KEYS, ReadCache
+from .etcd_writeback import WriteBehind
 
 RESERVED = b"\xff\xff\xff\xff"  # engine-private keys: every key >= RESERVED
 REQ_PREFIX = RESERVED + b"r/"   # request ids of commits: REQ_PREFIX + 32 hex digits
 REQ_TTL = 600                   # seconds of the lease request ids are attached to
+BIG_PREFIX_PAUSE = 60.0         # seconds before prefetch tries a too-big prefix again
 _RETRY_CODES = {4, 8, 14}       # gRPC DeadlineExceeded, ResourceExhausted, Unavailable
 
 
@@ -105,6 +107,10 @@ def _too_big(msg: str) -> str:
     return ""
 
 
+def new_request_id() -> bytes:
+    return REQ_PREFIX + os.urandom(16).hex().encode()
+
+
 class _Retry(Exception):
     """An endpoint failed in a way another endpoint, or a later try, may not."""
 
@@ -133,8 +139,10 @@ class EtcdKV(KV):
         # None until a watch with skip_own=True asks for it (see the module doc)
         self._own: dict[bytes, int] | None = None
         self.cache = ReadCache()  # live once start_cache() has its watch running
+        self.wb = WriteBehind(self)  # bmfs/kv/etcd_writeback.py
         self._cache_scope: trio.CancelScope | None = None
         self._cache_watch_scope = trio.CancelScope()
+        self._big: dict[bytes, float] = {}  # prefixes with too many keys to prefetch
 
     @classmethod
     async def create(cls, url: str, *, timeout: float = 10.0, request_timeout: float = 2.0,
@@ -237,37 +245,73 @@ class EtcdKV(KV):
 
     # -- the KV primitives -------------------------------------------------------------
     async def _get(self, key):
-        hit = self.cache.lookup(key)
+        hit = (self.wb.overlay and self.wb.lookup(key)) or self.cache.lookup(key)
         return hit if hit is not None else await self._get_fresh(key)
 
     async def _get_fresh(self, key):
+        if self.wb.overlay and (hit := self.wb.lookup(key)) is not None:
+            return hit
         data = await self._call("/v3/kv/range", {"key": _b64(key)})
         rows = _rows(data)
         value, rev = (rows[0][1], rows[0][2]) if rows else (None, 0)
         self.cache.fetched(key, value, rev, _revision(data))
         return value, rev
 
-    async def _range(self, start, end, limit):
+    async def _range(self, start, end, limit, fresh=False):
         end = RESERVED if not end or end > RESERVED else end
         if (start or b"\0") >= end:
             return []
-        body = {"key": _b64(start or b"\0"), "range_end": _b64(end), "limit": limit}
-        data = await self._call("/v3/kv/range", body)
-        rows, at = _rows(data), _revision(data)
-        for k, v, rev in rows:
-            self.cache.fetched(k, v, rev, at)
-        return rows
+        rows = None if fresh else self.cache.range(start, end)
+        if rows is None:
+            body = {"key": _b64(start or b"\0"), "range_end": _b64(end), "limit": limit}
+            data = await self._call("/v3/kv/range", body)
+            rows, at = _rows(data), _revision(data)
+            for k, v, rev in rows:
+                self.cache.fetched(k, v, rev, at)
+            if start and end == prefix_end(start) and (not limit or len(rows) < limit):
+                self.cache.ranged(start, rows, at)  # every key under the prefix
+        elif limit:
+            rows = rows[:limit]
+        return self.wb.merge_range(rows, start, end)
 
-    async def _commit(self, reads, writes):
-        """One etcd Txn; see the module docstring for how retries stay idempotent.
+    async def range(self, start, end, limit=0):
+        """Outside a transaction: always from etcd (with this client's queued writes)."""
+        return [(k, v) for k, v, _ in await self._range(start, end, limit, fresh=True)]
+
+    def statistics(self) -> dict:
+        return {"commits": self.commits, "failovers": self.failovers,
+                "cache": self.cache.statistics(), "write_behind": self.wb.statistics()}
+
+    def known_empty(self, prefixes) -> None:
+        self.cache.known_empty(prefixes)
+
+    async def prefetch(self, prefix: bytes) -> None:
+        """Read every key under ``prefix`` into the cache, unless there are too many
+        (then do not try that prefix again for ``BIG_PREFIX_PAUSE`` seconds)."""
+        if not self.cache.live or self.cache.covers(prefix):
+            return
+        now = trio.current_time()
+        if now - self._big.get(prefix, float("-inf")) < BIG_PREFIX_PAUSE:
+            return
+        rows = await self._range(prefix, prefix_end(prefix), COMPLETE_KEYS + 1, fresh=True)
+        if len(rows) > COMPLETE_KEYS:
+            if len(self._big) > 10_000:
+                self._big.clear()
+            self._big[prefix] = now
+
+    async def _commit(self, reads, writes, rid: bytes | None = None):
+        """One etcd Txn; see the module docstring for how retries stay idempotent
+        (``rid``: the request id, to send one commit again after Unavailable).
 
         Raises:
             Conflict: a compared revision changed; nothing was written.
             Unavailable: no quorum within ``timeout``; if an earlier attempt's outcome was
                 unknown, the commit may or may not have happened.
             IOFailure: etcd rejected the transaction (too many operations, too large).
+
+        Returns the revision it committed at.
         """
-        rid = _b64(REQ_PREFIX + os.urandom(16).hex().encode())
+        rid = _b64(rid or new_request_id())
         compare = [{"key": _b64(k), "target": "MOD", "result": "EQUAL", "mod_revision": str(rev)}
                    for k, rev in reads.items()]
         compare.append({"key": rid, "target": "MOD", "result": "EQUAL", "mod_revision": "0"})
@@ -309,6 +353,20 @@ class EtcdKV(KV):
             raise
         self.cache.committed(writes, rev)
         self.commits += 1
+        return rev
+
+    # -- write-behind (bmfs/kv/etcd_writeback.py) ----------------------------------------
+    def enable_write_behind(self) -> None:
+        """Let this client take the write-behind token (a mount does; tools do not)."""
+        self.wb.enabled = True
+
+    async def transact(self, fn, attempts: int = 64):
+        return await self.wb.transact(fn, attempts, super().transact)
+
+    async def commit(self, txn) -> None:
+        if txn.writes:
+            await self.wb.commit(txn)
+            self.keys_written += len(txn.writes)
 
     async def _stale(self, reads):
         """One etcd Txn of compares only: did any key read change since?"""
@@ -335,9 +393,12 @@ class EtcdKV(KV):
             return self._req_lease[0]
 
     async def sync(self):
-        """Nothing to do: an acknowledged etcd commit is already on disk on a quorum."""
+        """Wait for the write-behind queue: an acknowledged etcd commit is already on
+        disk on a quorum."""
+        await self.wb.drain(self.timeout)
 
     async def aclose(self):
+        await self.wb.aclose()
         if self._cache_scope is not None:
             self._cache_scope.cancel()
         self.cache.stopped()
@@ -362,13 +423,25 @@ class EtcdKV(KV):
                 self.cache.stopped()
                 await trio.sleep(0.5)
 
-    async def barrier(self) -> None:
+    async def barrier(self) -> bool:
         """Close-to-open: wait until the cache reflects every commit made before this
-        call (etcd's current revision, read linearizably). No-op without a live cache."""
-        if self.cache.live:
-            data = await self._call("/v3/kv/range", {"key": _b64(REQ_PREFIX), "count_only": True})
-            if not await self.cache.wait_for(_revision(data)):
-                self._cache_watch_scope.cancel()  # a stuck watch: start a new one
+        call (etcd's current revision, read linearizably), and have another client
+        committing behind commit its queue. No-op (False) while this client holds the
+        write-behind token: no one else can have committed."""
+        if self.wb.exclusive():
+            return False
+        for _ in range(2):
+            if self.cache.live:
+                data = await self._call("/v3/kv/range", {"key": _b64(REQ_PREFIX),
+                                                         "count_only": True})
+                if not await self.cache.wait_for(_revision(data)):
+                    self._cache_watch_scope.cancel()  # a stuck watch: start a new one
+            # another client committing behind: have it commit what it closed
+            holder = await self.wb.holder() if not self.wb.holding else None
+            if holder is None:
+                break
+            await self.wb.recall(holder)
+        return True
 
     # -- leases (node liveness) --------------------------------------------------------
     async def grant_lease(self, ttl: int, timeout: float | None = None) -> int:
@@ -489,6 +562,10 @@ class EtcdKV(KV):
                             if skip_own and self._own.get(key, 0) == hash(value) and \
                                     self._own.pop(key, None) is not None:
                                 continue
+                            if self.cache.live and self.cache.watch_rev < rev:
+                                # whoever acts on this change (e.g. invalidates the
+                                # kernel's cache, which then reads again) must read it
+                                await self.cache.wait_for(rev)
                             await send.send((key, value))
                         if cache is not None and rev:
                             cache.reached(rev)

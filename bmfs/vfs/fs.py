@@ -176,8 +176,12 @@ class FileSystem:
         if name == b"..":
             return await self.getattr(self.join(view, (await self._get(txn, view.chain, ino)).parent or 1))
         ent = await ns.lookup(txn, view.chain, ino, name)
+        if ent is None and await self.kv.barrier():  # close-to-open for names too: a
+            txn = self.kv.begin()                     # file just closed on another mount
+            ent = await ns.lookup(txn, view.chain, ino, name)
         if ent is None:
             await self._dir(txn, view.chain, ino)  # ENOTDIR rather than ENOENT
+            await self.kv.prefetch(keys.dir_prefix(ino))  # creates follow: see KV.prefetch
             raise NotFound()
         return await self.getattr(self.join(view, ent[0]))
 
@@ -193,6 +197,7 @@ class FileSystem:
         if fino >> VIEW_SHIFT == CTL_VIEW:
             return await self.control.readdir(fino)
         view, ino = self.split(fino)
+        await self.kv.barrier()  # opendir, like open: see what other mounts closed
         txn = self.kv.begin()
         await self._dir(txn, view.chain, ino)
         return [(name, Attr(self.join(view, cino), fmt))
@@ -224,6 +229,8 @@ class FileSystem:
             raise Perm("the control directory cannot hold files")
         view, pino = self.split(parent)
         ino = await self._alloc_ino()
+        self.kv.known_empty((keys.inode(ino) + b"@", keys.dir_prefix(ino), keys.chunk_prefix(ino),
+                             keys.xattr_prefix(ino), keys.symlink(ino) + b"@"))
 
         async def fn(txn, chain):
             p = await self._dir(txn, chain, pino)

@@ -41,7 +41,7 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
     snapshots = [k[2:].decode() for k, _ in await volume.kv.range(b"n/", b"n0")]
     return {"volume": os.path.abspath(volume.path), "uuid": s.uuid, "ec": f"{s.k}+{s.m}",
             "format": s.format, "stripe_size": s.stripe_size, "inline_max": s.inline_max,
-            "meta": volume.kv.url, "devices": devices, "nodes": nodes, "fragments_awaiting_repair": pending_repair,
+            "meta": volume.kv.url, "meta_engine": volume.kv.statistics(), "devices": devices, "nodes": nodes, "fragments_awaiting_repair": pending_repair,
             "stripes_awaiting_gc": gc_queue, "branches": branches, "snapshots": snapshots,
             "data": data_stats or dict(volume.data.stats)}
 

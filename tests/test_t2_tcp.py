@@ -124,6 +124,13 @@ def test_large_reads_sent_from_the_file_match_small_ones(tmp_path):
                        [(0, end)], [(end + 10, 100_000)], [(7, 70_000), (end - 3, 90_000)]):
             got = await nodes.transport.read(dev, name, ranges)
             assert [bytes(g) for g in got] == [whole[o:o + n] for o, n in ranges], ranges
+        # reply buffers are reused, but never while a reader still holds a view of one
+        kept = [await nodes.transport.read(st.devices[i], fr.fragment_name(3, i), [(0, end)])
+                for i in range(6)]
+        for _ in range(3):
+            for i in range(6):
+                await nodes.transport.read(st.devices[i], fr.fragment_name(3, i), [(0, end)])
+        assert bytes(kept[1][0]) == whole and len({bytes(k[0]) for k in kept}) == 6
         with pytest.raises(DeviceError):
             await nodes.transport.read(dev, fr.fragment_name(99, 1), [(0, 1 << 20)])
         assert bytes(await client.read(3, st, 0, len(data))) == data  # the node still serves

@@ -50,6 +50,7 @@ over 5 s) the queue cannot commit: its entries are dropped and logged as lost.
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import os
 
@@ -96,6 +97,8 @@ class WriteBehind:
         self.recalled = False
         self.quiet = QUIET
         self.acquiring = False   # taking the token: synchronous commits wait
+        self.recall_seen = False  # a recall for this client arrived since _acquire began
+        self.renewed = float("-inf")  # when the token's lease was last renewed
         self.syncs = 0           # synchronous commits of this client in flight
         self.stalled = False     # the committer cannot reach etcd: decide nothing locally
         self.last_recall = float("-inf")
@@ -115,7 +118,10 @@ class WriteBehind:
         """Whether no other client can have committed anything this client's cache
         has not seen: it holds the token (taken after the cache caught up) and has not
         been asked for it back."""
-        return self.holding and not (self.recalled or self.stalled) and self.kv.cache.live
+        return (self.holding and not (self.recalled or self.stalled) and self.kv.cache.live
+                # a lease not renewed lately may have ended (this process paused, etcd
+                # cut off): then another client may be committing
+                and trio.current_time() - self.renewed < LEASE_TTL * 0.6)
 
     def _notify(self) -> None:
         self._state.set()
@@ -258,8 +264,11 @@ class WriteBehind:
         """Take the token if nobody holds it and no recall came lately."""
         if trio.current_time() - self.last_recall < self.quiet or not self.kv.cache.live:
             return False
-        hit = self.kv.cache.lookup(TOKEN)
-        if hit is not None and hit[0] is not None:
+        try:
+            held, _ = await self.kv._get(TOKEN)  # (cached: the watch keeps it current)
+        except (Unavailable, FsError):
+            return False
+        if held is not None:
             return False
         async with self._lock:
             if self.holding or trio.current_time() - self.last_recall < self.quiet:
@@ -274,6 +283,7 @@ class WriteBehind:
     async def _acquire(self) -> bool:
         while self.syncs:  # synchronous commits in flight land before the token
             await self._state.wait()
+        self.recall_seen = False
         try:
             self.lease = await self.kv.grant_lease(LEASE_TTL)
             key = _b64(TOKEN)
@@ -285,8 +295,11 @@ class WriteBehind:
         except (Unavailable, FsError):
             return False
         if not data.get("succeeded"):
+            with contextlib.suppress(Unavailable, FsError):
+                await self.kv.revoke_lease(self.lease)
             return False
         self.token_rev = int(data["header"]["revision"])
+        self.renewed = trio.current_time()
         # the cache must hold every change made before the token was taken
         if not await self.kv.cache.wait_for(self.token_rev):
             await self._release_token()
@@ -294,6 +307,8 @@ class WriteBehind:
         self.holding, self.recalled = True, False
         self._notify()
         self._start_committer()
+        if self.recall_seen:  # asked for it back while taking it
+            self._stop_deciding()
         return True
 
     async def recall(self, holder: bytes) -> None:
@@ -325,9 +340,11 @@ class WriteBehind:
 
     def _changed(self, key: bytes, value: bytes | None) -> None:
         """Watch hook: someone asked for the token back."""
-        if value is not None and key == RECALL + self.me and self.holding:
-            self.last_recall = trio.current_time()
-            self._stop_deciding()
+        if value is not None and key == RECALL + self.me:
+            self.recall_seen = True  # (also while taking it: see _acquire)
+            if self.holding:
+                self.last_recall = trio.current_time()
+                self._stop_deciding()
 
     def _cache_stopped(self) -> None:
         """Without its watch the cache is no longer exact: stop deciding locally."""
@@ -378,8 +395,10 @@ class WriteBehind:
             if self.holding:
                 try:
                     await self.kv.keepalive(self.lease)
+                    self.renewed = trio.current_time()
+                    self._notify()
                 except NotFound:
-                    log.error("etcd write-behind: the token's lease ended; giving it up")
+                    log.warning("etcd write-behind: the token's lease ended; giving it up")
                     self._stop_deciding()
                 except (Unavailable, FsError):
                     pass

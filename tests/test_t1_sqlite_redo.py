@@ -161,3 +161,30 @@ def test_metadata_operations_survive_kill9_of_the_mount(volume, tmp_path):
         with open(os.path.join(m.mp, "moved"), "rb") as f:
             assert f.read() == b"1" * 100
     assert_fsck_clean(volume)
+
+
+def test_a_failed_batch_does_not_fail_the_commit(tmp_path, monkeypatch):
+    """A batch that cannot be applied (disk full, I/O error) leaves the commit that
+    triggered it done: reported as failed, the operation would be retried and run
+    twice. The batch stays pending and the next sync applies it."""
+    import sqlite3
+    monkeypatch.setattr(engine, "APPLY_KEYS", 4)
+
+    async def main():
+        kv = await open_kv(f"sqlite:{tmp_path}/meta.db")
+        real, failures = kv._apply, []
+
+        def failing():
+            failures.append(1)
+            raise sqlite3.OperationalError("database or disk is full")
+        kv._apply = failing
+        for i in range(6):
+            t = kv.begin()
+            t.put(b"f%d" % i, b"v")
+            await kv.commit(t)  # does not raise
+        assert failures and await kv.get(b"f5") == b"v"
+        kv._apply = real
+        await kv.sync()
+        assert kv._db.execute("SELECT count(*) FROM kv").fetchone()[0] == 6
+        await kv.aclose()
+    trio.run(main)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import fcntl
+import logging
 import os
 import sqlite3
 import struct
@@ -36,6 +37,7 @@ from crc32c import crc32c
 from ..errors import Conflict, VolumeError
 from . import KV
 
+log = logging.getLogger(__name__)
 APPLY_KEYS = 4096  # pending keys that make the next commit apply the batch to SQLite
 LOG_MAX = 64 << 20  # a redo log this large is cut back (apply, fsync the WAL) at once
 _REC = struct.Struct("<II")  # record: body length, crc32c of the body; body follows
@@ -193,9 +195,15 @@ class SqliteKV(KV):
             self._remember(k, v, self._rev)
         self.commits += 1
         if len(self._pending) >= APPLY_KEYS:
-            self._apply()
-            if self._log_size >= LOG_MAX:
-                self._cut_log()
+            # The commit is done: a failure to apply the batch must not be reported as
+            # its failure (a retry would run the operation twice). It stays pending,
+            # in memory and in the log, and the next batch or sync() tries again.
+            try:
+                self._apply()
+                if self._log_size >= LOG_MAX:
+                    self._cut_log()
+            except (sqlite3.Error, OSError) as e:
+                log.warning("applying metadata commits to SQLite failed (will retry): %s", e)
 
     def _remember(self, key: bytes, value: bytes | None, rev: int) -> None:
         if key not in self._pending:

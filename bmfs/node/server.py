@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 import os
+import re
 import threading
 import time
 
@@ -32,10 +33,11 @@ from .protocol import (ALIGNED, BlockingConnection, Connection, FileRange, Proto
                        server_handshake)
 
 log = logging.getLogger(__name__)
-Op = pb.Request.Op
+Req = pb.Request  # its enum values as class attributes: Op.X costs ~1 us a lookup
 MAX_CONNECTIONS = 256     # served at once (a thread each); more wait for a slot
 HANDSHAKE_BUFFER = 4096   # the event loop only receives the handshake
 SENDFILE_MIN = 64 << 10   # larger READs are sent from the file with sendfile(2)
+_NAME = re.compile(r"[0-9a-f]{16}\.[0-9]+")  # stripe id (hex) . fragment index
 
 
 class GroupSync:
@@ -158,8 +160,7 @@ class NodeServer:
 
     @staticmethod
     def _check_name(name: str) -> str:
-        base, _, idx = name.partition(".")
-        if len(base) != 16 or not idx.isdigit() or any(c not in "0123456789abcdef" for c in base):
+        if _NAME.fullmatch(name) is None:
             raise ValueError(f"invalid fragment name {name!r}")
         return name
 
@@ -182,10 +183,10 @@ class NodeServer:
 
     def _dispatch(self, req, payload):
         op = req.op
-        if op == Op.PING:
+        if op == Req.PING:
             return pb.Response(), ()
         store = self._store(req)
-        if op == Op.READ:
+        if op == Req.READ:
             name = self._check_name(req.name)
             if len(req.ranges) > 64:
                 raise ValueError("too many ranges")
@@ -201,7 +202,7 @@ class NodeServer:
             if self.read_delay:
                 time.sleep(self.read_delay)
             return pb.Response(lengths=[len(p) for p in parts]), parts
-        if op == Op.PUT:
+        if op == Req.PUT:
             # the payload view points into the receive buffer: stored before the next recv
             key = (req.device, self._check_name(req.name))
             with self._written:
@@ -221,15 +222,15 @@ class NodeServer:
             if req.durable:
                 self.syncers[req.device].wait_durable()
             return pb.Response(), ()
-        if op == Op.DELETE:
+        if op == Req.DELETE:
             store.delete(self._check_name(req.name))
             return pb.Response(), ()
-        if op == Op.SYNC:
+        if op == Req.SYNC:
             store.sync()
             return pb.Response(), ()
-        if op == Op.LIST:
+        if op == Req.LIST:
             return pb.Response(names=list(store.names())), ()
-        if op == Op.STAT:
+        if op == Req.STAT:
             info = store.usage()
             info["stats"] = dict(self.stats)
             return pb.Response(info_json=json.dumps(info)), ()

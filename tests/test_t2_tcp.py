@@ -137,6 +137,26 @@ def test_large_reads_sent_from_the_file_match_small_ones(tmp_path):
     run_with_nodes(tmp_path, body)
 
 
+def test_fragment_read_often_in_small_pieces_is_read_whole(tmp_path):
+    """The third small READ of a fragment within 2 s makes its node read all of it into
+    the page cache; small reads spread over many fragments do not."""
+    data = os.urandom(4 << 20)
+
+    async def body(nodes, client):
+        sids = range(10, 20)
+        stripes = {sid: await client.write_stripe(sid, data) for sid in sids}
+        for sid in sids:  # one small read of fragment 0 of each stripe: nothing read whole
+            assert bytes(await client.read(sid, stripes[sid], 8192, 4096)) == data[8192:12288]
+        node = nodes.servers[stripes[10].devices[0]]
+        before = node.stats["fragments_read_whole"]
+        assert sum(s.stats["fragments_read_whole"] for s in nodes.servers.values()) == 0
+        for off in (0, 40960, 81920):
+            assert bytes(await client.read(10, stripes[10], off, 4096)) == data[off:off + 4096]
+        assert node.stats["fragments_read_whole"] == before + 1
+        assert sum(s.stats["fragments_read_whole"] for s in nodes.servers.values()) == 1
+    run_with_nodes(tmp_path, body)
+
+
 def test_degraded_streaming_reads_fetch_k_fragments_once(tmp_path):
     data = os.urandom(4 << 20)
 

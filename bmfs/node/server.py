@@ -16,6 +16,7 @@ Fault controls for tests (``--fault`` or the ``BMFS_NODE_FAULT`` environment var
 """
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import logging
@@ -37,6 +38,11 @@ Req = pb.Request  # its enum values as class attributes: Op.X costs ~1 us a look
 MAX_CONNECTIONS = 256     # served at once (a thread each); more wait for a slot
 HANDSHAKE_BUFFER = 4096   # the event loop only receives the handshake
 SENDFILE_MIN = 64 << 10   # larger READs are sent from the file with sendfile(2)
+HOT_READS = 3             # small READs of one fragment within HOT_WINDOW seconds
+HOT_WINDOW = 2.0          # that make the node read the fragment whole (see
+HOT_RATE = 256 << 20      # _note_small_read), at most HOT_RATE bytes/s;
+HOT_TRACKED = 16384       # fragments whose recent small READs are counted
+FRAGMENT_GUESS = 1 << 20  # bytes a whole-fragment read costs the budget
 _NAME = re.compile(r"[0-9a-f]{16}\.[0-9]+")  # stripe id (hex) . fragment index
 
 
@@ -86,12 +92,19 @@ class NodeServer:
         self.stores = stores
         self.read_delay = read_delay
         self.connections = trio.CapacityLimiter(MAX_CONNECTIONS)
-        self.stats = {"connections": 0, "rejected": 0, "requests": 0, "errors": 0}
+        self.stats = {"connections": 0, "rejected": 0, "requests": 0, "errors": 0,
+                      "fragments_read_whole": 0}
         self.syncers = {dev: GroupSync(st) for dev, st in stores.items()}
         # fragments being written (files are written in place): a READ of one waits
         # for the write, so it never sees a half-written file (e.g. repair rewriting a
         # fragment that a degraded read or another repair is reading)
         self._writing: dict[tuple[int, str], int] = {}
+        # fragments with recent small READs -> (first of them, how many); see
+        # _note_small_read
+        self._recent: "collections.OrderedDict[tuple[int, str], tuple[float, int]]" = \
+            collections.OrderedDict()
+        self._hot_lock = threading.Lock()
+        self._hot_tokens, self._hot_at = float(HOT_RATE), time.monotonic()
         self._written = threading.Condition()
 
     async def serve(self, host: str, port: int, task_status=trio.TASK_STATUS_IGNORED):
@@ -151,6 +164,47 @@ class NodeServer:
         finally:
             if parts and isinstance(parts[0], FileRange):
                 os.close(parts[0].fd)
+        if req.op == Req.READ and not resp.errno and parts and not isinstance(parts[0], FileRange):
+            self._note_small_read(req)
+
+    def _note_small_read(self, req) -> None:
+        """A fragment read in small pieces again and again is read whole into the page
+        cache (asynchronously, after the reply): its HOT_READS-th small READ within
+        HOT_WINDOW seconds asks the kernel for all of it (~1 MiB, one sequential device
+        read), at most HOT_RATE bytes a second. Reads spread thinly over much data (a
+        fragment seldom read twice) cost no more than their blocks; a fragment read
+        often costs one read of it."""
+        key, now = (req.device, req.name), time.monotonic()
+        with self._hot_lock:
+            first, count = self._recent.pop(key, (now, 0))
+            if now - first > HOT_WINDOW:
+                first, count = now, 0
+            count += 1
+            if count < HOT_READS:
+                self._recent[key] = (first, count)
+                if len(self._recent) > HOT_TRACKED:
+                    self._recent.popitem(last=False)
+                return
+            # a token bucket of HOT_RATE bytes/s, one second deep
+            self._hot_tokens = min(HOT_RATE, self._hot_tokens + (now - self._hot_at) * HOT_RATE)
+            self._hot_at = now
+            if self._hot_tokens < FRAGMENT_GUESS:
+                return
+            self._hot_tokens -= FRAGMENT_GUESS
+        store = self.stores[req.device]
+        if not hasattr(store, "open_fragment"):
+            return  # a pmem pool is memory already
+        try:
+            fd = store.open_fragment(req.name)
+        except OSError:
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            self.stats["fragments_read_whole"] += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def _store(self, req) -> FileStore:
         store = self.stores.get(req.device)

@@ -20,6 +20,9 @@
  *     computed with gf_gen_rs_matrix + ec_encode_data, as liberasurecode does.
  *     The copy and the encode run with the GIL released, so the event loop keeps
  *     serving FUSE requests meanwhile.
+ *
+ * rs_rebuild(k, m, payload, survivors, missing) -> list of bytes
+ *     Degraded reads: the payloads of missing data fragments from any k others (below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -201,6 +204,105 @@ fail:
     return NULL;
 }
 
+/* rs_rebuild(k, m, payload, survivors, missing) -> list of bytes
+ *     The payloads of the data fragments `missing` (indexes < k) of a stripe encoded as
+ *     above, from `survivors`: a list of k (index, buffer) pairs, each buffer a whole
+ *     fragment (its 80-byte header first). The k survivors' rows of the encode matrix
+ *     are inverted (gf_invert_matrix) and the missing rows of the inverse applied with
+ *     ec_encode_data: what liberasurecode's isa_l_rs_vand reconstruct computes, without
+ *     the GIL and without building whole fragments. ValueError for a singular choice
+ *     (the caller falls back to pyeclib).
+ */
+static PyObject *rs_rebuild(PyObject *self, PyObject *args)
+{
+    int k, m, nmiss, idx[MAX_FRAGS], miss[MAX_FRAGS], singular;
+    Py_ssize_t payload, got = 0;
+    PyObject *survivors, *missing, *sseq = NULL, *mseq = NULL, *list = NULL;
+    Py_buffer bufs[MAX_FRAGS];
+    unsigned char *src[MAX_FRAGS], *dst[MAX_FRAGS], *matrix = NULL, *rows, *inv, *dec, *tbl;
+    if (!PyArg_ParseTuple(args, "iinOO", &k, &m, &payload, &survivors, &missing))
+        return NULL;
+    if (k < 1 || m < 1 || k + m > MAX_FRAGS || payload < 1 || payload > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "rs_rebuild: bad k, m or payload");
+        return NULL;
+    }
+    sseq = PySequence_Fast(survivors, "survivors must be a sequence of (index, buffer)");
+    mseq = PySequence_Fast(missing, "missing must be a sequence of indexes");
+    if (sseq == NULL || mseq == NULL)
+        goto done;
+    nmiss = (int)PySequence_Fast_GET_SIZE(mseq);
+    if (PySequence_Fast_GET_SIZE(sseq) != k || nmiss < 1 || nmiss > k) {
+        PyErr_SetString(PyExc_ValueError, "rs_rebuild: need k survivors and 1..k missing");
+        goto done;
+    }
+    for (int j = 0; j < nmiss; j++) {
+        miss[j] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(mseq, j));
+        if (miss[j] < 0 || miss[j] >= k) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "rs_rebuild: a missing index is not a data fragment");
+            goto done;
+        }
+    }
+    for (; got < k; got++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(sseq, got), *b;
+        if (!PyArg_ParseTuple(pair, "iO", &idx[got], &b))
+            goto done;
+        if (PyObject_GetBuffer(b, &bufs[got], PyBUF_SIMPLE) < 0)
+            goto done;
+        if (idx[got] < 0 || idx[got] >= k + m || bufs[got].len < LIB_HEADER + payload) {
+            PyBuffer_Release(&bufs[got]);
+            PyErr_SetString(PyExc_ValueError, "rs_rebuild: bad survivor index or length");
+            goto done;
+        }
+        src[got] = (unsigned char *)bufs[got].buf + LIB_HEADER;
+    }
+    list = PyList_New(nmiss);
+    if (list == NULL)
+        goto done;
+    for (int j = 0; j < nmiss; j++) {
+        PyObject *b = PyBytes_FromStringAndSize(NULL, payload);
+        if (b == NULL) {
+            Py_CLEAR(list);
+            goto done;
+        }
+        PyList_SET_ITEM(list, j, b);
+        dst[j] = (unsigned char *)PyBytes_AS_STRING(b);
+    }
+    matrix = PyMem_RawMalloc((size_t)(k + m) * k + 3 * (size_t)k * k + (size_t)32 * k * nmiss);
+    if (matrix == NULL) {
+        Py_CLEAR(list);
+        PyErr_NoMemory();
+        goto done;
+    }
+    rows = matrix + (size_t)(k + m) * k;
+    inv = rows + (size_t)k * k;
+    dec = inv + (size_t)k * k;
+    tbl = dec + (size_t)k * k;
+    Py_BEGIN_ALLOW_THREADS
+    gf_gen_rs_matrix(matrix, k + m, k);
+    for (int r = 0; r < k; r++)
+        memcpy(rows + r * k, matrix + idx[r] * k, k);
+    singular = gf_invert_matrix(rows, inv, k);  /* (overwrites rows) */
+    if (!singular) {
+        for (int j = 0; j < nmiss; j++)
+            memcpy(dec + j * k, inv + miss[j] * k, k);
+        ec_init_tables(k, nmiss, dec, tbl);
+        ec_encode_data((int)payload, k, nmiss, tbl, src, dst);
+    }
+    Py_END_ALLOW_THREADS
+    if (singular) {
+        Py_CLEAR(list);
+        PyErr_SetString(PyExc_ValueError, "rs_rebuild: these survivors do not determine the data");
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&bufs[i]);
+    PyMem_RawFree(matrix);
+    Py_XDECREF(sseq);
+    Py_XDECREF(mseq);
+    return list;
+}
+
 static PyMethodDef methods[] = {
     {"crc32c_blocks", crc32c_blocks, METH_VARARGS,
      "crc32c_blocks(parts, block) -> bytes: crc32c of each block of the parts' "
@@ -208,6 +310,9 @@ static PyMethodDef methods[] = {
     {"rs_encode", rs_encode, METH_VARARGS,
      "rs_encode(k, m, data, payload, headers) -> list of k+m fragments (pyeclib "
      "isa_l_rs_vand layout)"},
+    {"rs_rebuild", rs_rebuild, METH_VARARGS,
+     "rs_rebuild(k, m, payload, survivors, missing) -> payloads of the missing data "
+     "fragments, from k (index, whole fragment) survivors"},
     {NULL, NULL, 0, NULL},
 };
 

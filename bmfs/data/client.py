@@ -363,15 +363,15 @@ class DataClient:
         if len(got) < k:
             raise IOFailure(f"stripe {sid}: only {len(got)} of {st.k + st.m} fragments "
                             f"readable, {k} needed")
+        payloads = {i: memoryview(got[i])[LIB_HEADER:] for i in range(k) if i in got}
         missing = [i for i in range(k) if i not in got]
         if missing:  # rebuild just the missing data fragments (a full decode costs 4x)
-            frags = [bytes(got[i]) for i in sorted(got)]  # pyeclib takes bytes only
-            rebuilt = await run_in_thread(_reconstruct, codec(st.k, st.m), frags, missing)
-            got.update(zip(missing, rebuilt))
+            rebuilt = await run_in_thread(codec(st.k, st.m).rebuild_data, got, missing)
+            payloads.update(zip(missing, rebuilt))
         # the code is systematic: the stripe is the data fragments' payloads in order
         bs, left, views = st.frag_len - LIB_HEADER, st.length, []
         for i in range(k):
-            views.append(memoryview(got[i])[LIB_HEADER:LIB_HEADER + min(bs, left)])
+            views.append(memoryview(payloads[i])[:min(bs, left)])
             left -= len(views[-1])
         return tuple(views)
 
@@ -380,14 +380,6 @@ class DataClient:
         self.stats[key] += 1
         log.warning("stripe %d fragment %d %s", sid, index, why)
         self.on_damage(sid, index, why)
-
-
-def _reconstruct(cd, fragments: list[bytes], missing: list[int]) -> list[bytes]:
-    """The fragments ``missing`` (indexes) rebuilt from k others, headers included."""
-    if hasattr(cd, "reconstruct"):
-        return cd.reconstruct(fragments, missing)
-    # data/codec.py has no reconstruct yet: pyeclib's, through its driver
-    return cd._driver.reconstruct(fragments, missing)
 
 
 class _Missing(Exception):

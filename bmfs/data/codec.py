@@ -9,7 +9,9 @@ as pyeclib, with the GIL released, so a stripe is encoded in a worker thread whi
 the event loop goes on serving FUSE (pyeclib holds the GIL for the whole encode).
 liberasurecode's 80-byte headers depend only on the stripe's length (no checksum
 type is set), so they are taken from one pyeclib encode per length and reused.
-Decoding and reconstruction (degraded reads, repair) stay with pyeclib.
+Rebuilding missing data fragments for a degraded read runs in C too (``rs_rebuild``:
+invert the survivors' rows of the encode matrix, apply the missing rows); full
+decodes stay with pyeclib.
 """
 from __future__ import annotations
 
@@ -51,9 +53,20 @@ class Codec:
         """The stripe's data from any k intact fragments (their headers say which)."""
         return self._driver.decode(fragments)
 
-    def reconstruct(self, fragments: list[bytes], missing: list[int]) -> list[bytes]:
-        """The fragments ``missing`` (indexes) rebuilt from k others, headers included."""
-        return self._driver.reconstruct(fragments, missing)
+    def rebuild_data(self, fragments: dict, missing: list[int]) -> list:
+        """The payloads (no header) of the data fragments ``missing`` (indexes < k), from
+        ``fragments``: index -> whole fragment, at least k of them. Thread-safe; the C
+        path (rs_rebuild) does not hold the GIL, copies nothing it does not return and
+        allocates no whole fragment."""
+        if self._native is not None:
+            survivors = sorted(fragments.items())[:self.k]
+            payload = len(survivors[0][1]) - LIB_HEADER
+            try:
+                return self._native.rs_rebuild(self.k, self.m, payload, survivors, missing)
+            except ValueError:
+                pass  # (a singular choice of survivors: pyeclib picks its own)
+        frags = [bytes(f) for _, f in sorted(fragments.items())]  # pyeclib takes bytes only
+        return [memoryview(f)[LIB_HEADER:] for f in self._driver.reconstruct(frags, missing)]
 
     def fragment_length(self, data_length: int) -> int:
         info = self._driver.get_segment_info(data_length, max(data_length, 1))

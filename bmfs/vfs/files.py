@@ -81,7 +81,7 @@ class WriteBuffer:
 
 class OpenFile:
     __slots__ = ("view", "ino", "opens", "lock", "buf", "buf_start", "size", "mtime_ns",
-                 "dirty", "stripes", "inflight", "last_commit", "error")
+                 "dirty", "stripes", "inflight", "last_commit", "error", "read_cache")
 
     def __init__(self, view, ino):
         self.view, self.ino = view, ino
@@ -97,6 +97,8 @@ class OpenFile:
         self.inflight = trio.Semaphore(PIPELINE)
         self.last_commit: trio.Event | None = None
         self.error: BaseException | None = None  # a background store failed: reported once
+        # what reads looked up: [kv commit count, chain, inode, {chunk index: slices}]
+        self.read_cache: list | None = None
 
 
 class Handle:
@@ -526,9 +528,13 @@ class Files:
                     await self._flush_locked(of)
         txn = self.kv.begin()
         chain = of.view.chain
-        i = await ns.get_inode(txn, chain, of.ino)
+        cache = self._read_cache(of, chain)
+        i = cache[2]
         if i is None:
-            raise NotFound()
+            i = await ns.get_inode(txn, chain, of.ino)
+            if i is None:
+                raise NotFound()
+            cache[2] = i
         fsize = i.size if of.size is None else max(i.size, of.size)
         end = min(offset + size, fsize)
         if offset >= end:
@@ -538,7 +544,9 @@ class Files:
         while pos < end:
             idx, cpos = divmod(pos, CHUNK_SIZE)
             cend = min(end - idx * CHUNK_SIZE, CHUNK_SIZE)
-            slices = await ns.get_chunk(txn, chain, of.ino, idx)
+            slices = cache[3].get(idx)
+            if slices is None:
+                slices = cache[3][idx] = await ns.get_chunk(txn, chain, of.ino, idx)
             for p in visible(slices, cpos, cend):
                 pieces.append(p)
             pos = idx * CHUNK_SIZE + cend
@@ -552,6 +560,20 @@ class Files:
             for j, p in enumerate(pieces):
                 nursery.start_soon(one, j, p)
         return b"".join(out)
+
+    def _read_cache(self, of: OpenFile, chain) -> list:
+        """What reads of ``of`` looked up (its inode, chunk slice lists), while nothing
+        was committed since: an engine whose only writer is this process counts its
+        commits, so an unchanged count means unchanged metadata. Sequential reads then
+        skip two metadata lookups per request. Other engines: a fresh lookup each time
+        (returns an empty cache that is not kept)."""
+        epoch = self.kv.commits if self.kv.single_writer else None
+        cache = of.read_cache
+        if cache is None or epoch is None or cache[0] != epoch or cache[1] is not chain:
+            cache = [epoch, chain, None, {}]
+            if epoch is not None:
+                of.read_cache = cache
+        return cache
 
     async def _piece(self, txn, of, p: Slice) -> bytes:
         if p.sid == 0:

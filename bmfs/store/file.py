@@ -78,20 +78,11 @@ class FileStore:
         # referenced until the transaction recording its stripe commits after this, and
         # a torn fragment fails its header or block checksums (and is swept or repaired).
         total = sum(len(p) for p in parts)
-        if self._direct and total >= DIRECT_MIN:
-            # a large fragment: gathered into this thread's aligned buffer (warm memory,
-            # one memcpy) and written past the page cache, see write_aligned
-            buf = _aligned_buffer(total)
-            view = memoryview(buf)
-            pos = 0
-            for p in parts:
-                view[pos:pos + len(p)] = p
-                pos += len(p)
-            try:
-                return self.write_aligned(name, view[:total])
-            finally:
-                view.release()
         path = self._file(name)
+        if self._direct and total >= DIRECT_MIN and self._write_padded(path, parts, total):
+            with self._lock:
+                self._pending.add(path)
+            return
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         except FileNotFoundError:
@@ -106,6 +97,52 @@ class FileStore:
         with self._lock:
             self._pending.add(path)
 
+    def _open_direct(self, path: str) -> int | None:
+        """``path`` created or truncated for O_DIRECT writes; None if the filesystem
+        refuses O_DIRECT (tmpfs): then ``_direct`` is cleared and writes go buffered."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT
+        try:
+            try:
+                return os.open(path, flags, 0o600)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                return os.open(path, flags, 0o600)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._direct = False
+            return None
+
+    def _write_padded(self, path: str, parts, total: int) -> bool:
+        """A large fragment gathered into this thread's aligned buffer (warm memory, one
+        memcpy), zero-padded to whole pages and written with one O_DIRECT call, then cut
+        to its length. All of it direct: a tail written through the page cache would be
+        allocated later, elsewhere on the disk, and cost every cold read of the fragment
+        a second seek (reads were ~20% slower that way). False (nothing written) where
+        the filesystem refuses O_DIRECT; from then on writes are buffered."""
+        padded = -(-total // DIRECT_ALIGN) * DIRECT_ALIGN
+        view = memoryview(_aligned_buffer(padded))
+        try:
+            pos = 0
+            for p in parts:
+                view[pos:pos + len(p)] = p
+                pos += len(p)
+            view[total:padded] = bytes(padded - total)
+            fd = self._open_direct(path)
+            if fd is None:
+                return False
+            try:
+                done = 0
+                while done < padded:
+                    done += os.pwrite(fd, view[done:padded], done)
+                if padded != total:
+                    os.ftruncate(fd, total)
+            finally:
+                os.close(fd)
+            return True
+        finally:
+            view.release()
+
     def write_aligned(self, name: str, buf) -> None:
         """``write(name, [buf])`` for a buffer that starts on a page boundary: its whole
         pages go to the device with O_DIRECT, the tail with a plain write. Copying a
@@ -113,17 +150,8 @@ class FileStore:
         PUT, and the data must reach the device before the PUT is acknowledged anyway.
         Falls back to ``write`` where O_DIRECT is refused."""
         path = self._file(name)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT
-        try:
-            try:
-                fd = os.open(path, flags, 0o600)
-            except FileNotFoundError:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = os.open(path, flags, 0o600)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self._direct = False  # (tmpfs) write() no longer comes here either
+        fd = self._open_direct(path)
+        if fd is None:
             return self.write(name, [buf])
         try:
             done, whole = 0, len(buf) // DIRECT_ALIGN * DIRECT_ALIGN

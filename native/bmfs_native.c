@@ -11,15 +11,17 @@
  *     `parts` (the last block may be short), as little-endian uint32s: one call for a
  *     fragment's whole checksum table instead of one Python call per 4 KiB.
  *
- * rs_encode(k, m, data, payload, headers) -> list of k+m bytes
+ * rs_encode(k, m, parts, payload, headers) -> list of k+m bytes
  *     Fragments of an ISA-L Reed-Solomon (Vandermonde) stripe, byte for byte what
  *     pyeclib's isa_l_rs_vand encode returns: fragment i is headers[i*80:(i+1)*80] (the
  *     80-byte liberasurecode header, which depends only on the lengths, so the caller
  *     takes it from pyeclib once per length) followed by `payload` bytes; data fragment
- *     i holds data[i*payload:(i+1)*payload], zero-padded; the m parity payloads are
- *     computed with gf_gen_rs_matrix + ec_encode_data, as liberasurecode does.
- *     The copy and the encode run with the GIL released, so the event loop keeps
- *     serving FUSE requests meanwhile.
+ *     i holds bytes [i*payload, (i+1)*payload) of the stripe, zero-padded; the m parity
+ *     payloads are computed with gf_gen_rs_matrix + ec_encode_data, as liberasurecode
+ *     does. The stripe is `parts`: one buffer, or a sequence of buffers taken as their
+ *     concatenation (the write buffer's pieces: the caller need not join them, a 4 MiB
+ *     copy on the event loop's thread per stripe). The copy and the encode run with
+ *     the GIL released, so the event loop keeps serving FUSE requests meanwhile.
  *
  * rs_rebuild(k, m, payload, survivors, missing) -> list of bytes
  *     Degraded reads: the payloads of missing data fragments from any k others (below).
@@ -71,10 +73,62 @@ static void crc_table(Py_buffer *bufs, Py_ssize_t nbufs, Py_ssize_t block, unsig
         put_le32(out + 4 * nout, ~state);
 }
 
+/* The buffers of `parts` (one buffer, or a sequence of them) into *bufs (PyMem, for
+ * release_parts); their count, or -1 with an exception set. */
+static Py_ssize_t get_parts(PyObject *parts, Py_buffer **bufs, Py_ssize_t *total)
+{
+    PyObject *seq;
+    Py_ssize_t n, got = 0;
+    *total = 0;
+    if (PyObject_CheckBuffer(parts)) {
+        *bufs = PyMem_Calloc(1, sizeof(Py_buffer));
+        if (*bufs == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (PyObject_GetBuffer(parts, *bufs, PyBUF_SIMPLE) < 0) {
+            PyMem_Free(*bufs);
+            return -1;
+        }
+        *total = (*bufs)->len;
+        return 1;
+    }
+    seq = PySequence_Fast(parts, "parts must be a buffer or a sequence of buffers");
+    if (seq == NULL)
+        return -1;
+    n = PySequence_Fast_GET_SIZE(seq);
+    *bufs = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    if (*bufs == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &(*bufs)[got],
+                               PyBUF_SIMPLE) < 0) {
+            while (got > 0)
+                PyBuffer_Release(&(*bufs)[--got]);
+            PyMem_Free(*bufs);
+            Py_DECREF(seq);
+            return -1;
+        }
+        *total += (*bufs)[got].len;
+    }
+    Py_DECREF(seq);
+    return n;
+}
+
+static void release_parts(Py_buffer *bufs, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+}
+
 static PyObject *crc32c_blocks(PyObject *self, PyObject *args)
 {
-    PyObject *parts, *seq, *result = NULL;
-    Py_ssize_t block, nbufs, total = 0, got = 0;
+    PyObject *parts, *result;
+    Py_ssize_t block, nbufs, total;
     Py_buffer *bufs;
     if (!PyArg_ParseTuple(args, "On", &parts, &block))
         return NULL;
@@ -82,31 +136,16 @@ static PyObject *crc32c_blocks(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "block size must be positive");
         return NULL;
     }
-    seq = PySequence_Fast(parts, "parts must be a sequence of buffers");
-    if (seq == NULL)
+    nbufs = get_parts(parts, &bufs, &total);
+    if (nbufs < 0)
         return NULL;
-    nbufs = PySequence_Fast_GET_SIZE(seq);
-    bufs = PyMem_Calloc(nbufs ? nbufs : 1, sizeof(Py_buffer));
-    if (bufs == NULL) {
-        Py_DECREF(seq);
-        return PyErr_NoMemory();
-    }
-    for (; got < nbufs; got++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &bufs[got], PyBUF_SIMPLE) < 0)
-            goto done;
-        total += bufs[got].len;
-    }
     result = PyBytes_FromStringAndSize(NULL, 4 * ((total + block - 1) / block));
-    if (result == NULL)
-        goto done;
-    Py_BEGIN_ALLOW_THREADS
-    crc_table(bufs, nbufs, block, (unsigned char *)PyBytes_AS_STRING(result));
-    Py_END_ALLOW_THREADS
-done:
-    for (Py_ssize_t i = 0; i < got; i++)
-        PyBuffer_Release(&bufs[i]);
-    PyMem_Free(bufs);
-    Py_DECREF(seq);
+    if (result != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        crc_table(bufs, nbufs, block, (unsigned char *)PyBytes_AS_STRING(result));
+        Py_END_ALLOW_THREADS
+    }
+    release_parts(bufs, nbufs);
     return result;
 }
 
@@ -149,14 +188,19 @@ static unsigned char *tables_for(int k, int m)
 static PyObject *rs_encode(PyObject *self, PyObject *args)
 {
     int k, m;
-    Py_ssize_t payload;
-    Py_buffer data, headers;
-    PyObject *list = NULL;
+    Py_ssize_t payload, nparts, total;
+    PyObject *parts, *list = NULL;
+    Py_buffer *data, headers;
     unsigned char *tables, *frag[MAX_FRAGS];
-    if (!PyArg_ParseTuple(args, "iiy*ny*", &k, &m, &data, &payload, &headers))
+    if (!PyArg_ParseTuple(args, "iiOny*", &k, &m, &parts, &payload, &headers))
         return NULL;
+    nparts = get_parts(parts, &data, &total);
+    if (nparts < 0) {
+        PyBuffer_Release(&headers);
+        return NULL;
+    }
     if (k < 1 || m < 1 || k + m > MAX_FRAGS || payload < 1 || payload > INT_MAX ||
-        data.len > (Py_ssize_t)k * payload || headers.len != (Py_ssize_t)(k + m) * LIB_HEADER) {
+        total > (Py_ssize_t)k * payload || headers.len != (Py_ssize_t)(k + m) * LIB_HEADER) {
         PyErr_SetString(PyExc_ValueError, "rs_encode: inconsistent k, m, lengths or headers");
         goto fail;
     }
@@ -176,17 +220,25 @@ static PyObject *rs_encode(PyObject *self, PyObject *args)
         frag[i] = (unsigned char *)PyBytes_AS_STRING(b);
     }
     Py_BEGIN_ALLOW_THREADS
-    const unsigned char *src = data.buf;
-    Py_ssize_t left = data.len;
     unsigned char *dptr[MAX_FRAGS], *pptr[MAX_FRAGS];
+    Py_ssize_t part = 0, used = 0;  /* the next byte to copy: data[part].buf + used */
     for (int i = 0; i < k + m; i++) {
         memcpy(frag[i], (const unsigned char *)headers.buf + i * LIB_HEADER, LIB_HEADER);
         if (i < k) {
-            Py_ssize_t n = left < payload ? left : payload;
-            memcpy(frag[i] + LIB_HEADER, src, n);
-            memset(frag[i] + LIB_HEADER + n, 0, payload - n);
-            src += n;
-            left -= n;
+            unsigned char *dst = frag[i] + LIB_HEADER, *end = dst + payload;
+            while (dst < end && part < nparts) {
+                Py_ssize_t n = data[part].len - used;
+                if (n > end - dst)
+                    n = end - dst;
+                memcpy(dst, (const unsigned char *)data[part].buf + used, n);
+                dst += n;
+                used += n;
+                if (used == data[part].len) {
+                    part++;
+                    used = 0;
+                }
+            }
+            memset(dst, 0, end - dst);
             dptr[i] = frag[i] + LIB_HEADER;
         } else {
             pptr[i - k] = frag[i] + LIB_HEADER;
@@ -194,12 +246,12 @@ static PyObject *rs_encode(PyObject *self, PyObject *args)
     }
     ec_encode_data((int)payload, k, m, tables, dptr, pptr);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&data);
+    release_parts(data, nparts);
     PyBuffer_Release(&headers);
     return list;
 fail:
     Py_XDECREF(list);
-    PyBuffer_Release(&data);
+    release_parts(data, nparts);
     PyBuffer_Release(&headers);
     return NULL;
 }
@@ -308,8 +360,8 @@ static PyMethodDef methods[] = {
      "crc32c_blocks(parts, block) -> bytes: crc32c of each block of the parts' "
      "concatenation, little-endian uint32s"},
     {"rs_encode", rs_encode, METH_VARARGS,
-     "rs_encode(k, m, data, payload, headers) -> list of k+m fragments (pyeclib "
-     "isa_l_rs_vand layout)"},
+     "rs_encode(k, m, parts, payload, headers) -> list of k+m fragments (pyeclib "
+     "isa_l_rs_vand layout) of the stripe `parts` (a buffer or a sequence of them)"},
     {"rs_rebuild", rs_rebuild, METH_VARARGS,
      "rs_rebuild(k, m, payload, survivors, missing) -> payloads of the missing data "
      "fragments, from k (index, whole fragment) survivors"},

@@ -21,7 +21,7 @@ from ..errors import IOFailure, NoSpace
 from ..meta.records import EC, INLINE, NO_DEVICE, Stripe
 from ..transport import DeviceError, run_in_thread
 from . import fragment as fr
-from .codec import LIB_HEADER, codec
+from .codec import LIB_HEADER, codec, stripe_bytes, stripe_length
 from .placement import place_available
 
 log = logging.getLogger(__name__)
@@ -56,10 +56,13 @@ class DataClient:
 
     # -- writes ---------------------------------------------------------------------------
     async def write_stripe(self, sid: int, data) -> Stripe:
-        """Store ``data`` as stripe ``sid``; returns its record (refs 0). The caller
-        discards ``sid`` from ``uncommitted`` once the record is committed (or dropped)."""
-        if len(data) <= self.inline_max:
-            return Stripe(INLINE, len(data), data=bytes(data))
+        """Store ``data`` as stripe ``sid``; returns its record (refs 0). ``data``: a
+        bytes-like object or a list of them (the stripe's pieces, in order, not joined:
+        the encoder reads them in place). The caller discards ``sid`` from
+        ``uncommitted`` once the record is committed (or dropped)."""
+        length = stripe_length(data)
+        if length <= self.inline_max:
+            return Stripe(INLINE, length, data=stripe_bytes(data))
         k, m = self.k, self.m
         self.uncommitted.add(sid)
         cd = codec(k, m)
@@ -101,7 +104,7 @@ class DataClient:
         if ok < need or distinct < min(k, len(self.devices)):
             raise NoSpace(f"only {ok} of {k + m} fragments of a stripe could be stored, on "
                           f"{distinct} devices (need {need} on {k}); are devices missing?")
-        return Stripe(EC, len(data), 0, k, m, len(frags[0]), stored)
+        return Stripe(EC, length, 0, k, m, len(frags[0]), stored)
 
     @staticmethod
     def needs_repair(st: Stripe) -> list[int]:

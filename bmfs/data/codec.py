@@ -26,6 +26,18 @@ EC_TYPE = "isa_l_rs_vand"
 HEADER_CACHE = 1024  # stripe lengths whose liberasurecode headers are kept
 
 
+def stripe_length(data) -> int:
+    """The length of a stripe given as a bytes-like object or a list of pieces."""
+    return sum(map(len, data)) if isinstance(data, list) else len(data)
+
+
+def stripe_bytes(data) -> bytes:
+    """A stripe given as a bytes-like object or a list of pieces, as one bytes."""
+    if isinstance(data, list):
+        return b"".join(data)
+    return data if isinstance(data, bytes) else bytes(data)
+
+
 class Codec:
     def __init__(self, k: int, m: int, native=NATIVE):
         self.k, self.m = k, m
@@ -36,15 +48,18 @@ class Codec:
 
     def encode(self, data) -> list[bytes]:
         """k+m fragments of equal length; fragments 0..k-1 hold the data in order.
-        Thread-safe; the C path does not hold the GIL while it works."""
-        known = self._headers.get(len(data)) if self._native is not None else None
+        ``data``: a bytes-like object, or a list of them (the stripe's pieces, in order:
+        the C path reads them where they are, nothing joins them first). Thread-safe;
+        the C path does not hold the GIL while it works."""
+        length = stripe_length(data)
+        known = self._headers.get(length) if self._native is not None else None
         if known is None:
-            frags = self._driver.encode(data if isinstance(data, bytes) else bytes(data))
+            frags = self._driver.encode(stripe_bytes(data))
             if self._native is not None:
                 if len(self._headers) >= HEADER_CACHE:
                     self._headers.clear()
-                self._headers[len(data)] = (len(frags[0]) - LIB_HEADER,
-                                            b"".join(f[:LIB_HEADER] for f in frags))
+                self._headers[length] = (len(frags[0]) - LIB_HEADER,
+                                         b"".join(f[:LIB_HEADER] for f in frags))
             return frags
         payload, headers = known
         return self._native.rs_encode(self.k, self.m, data, payload, headers)

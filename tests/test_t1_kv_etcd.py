@@ -392,3 +392,48 @@ def test_complete_prefixes(etcd_cluster):
         finally:
             await b.aclose()
     run(etcd_cluster, main)
+
+
+def test_write_behind_limited_ranges_page_exactly(etcd_cluster):
+    """Ranges with a limit (paging, as layer GC and branch diffs do) over keys this
+    client has queued deletes and additions for: pages join up to exactly the state
+    with the queue applied, in and outside transactions."""
+    etcd_cluster.wipe()
+
+    async def main(a):
+        for i in range(0, 20, 2):
+            await _put(a, b"p/%02d" % i, b"etcd")
+        await _caches_live(a)
+        a.enable_write_behind()
+        hold = trio.Event()
+        real = a.wb._commit_batch
+
+        async def stalled():  # keep the queue (and so the overlay) until released
+            await hold.wait()
+            await real()
+        a.wb._commit_batch = stalled
+
+        async def change(txn):
+            for i in (0, 2, 4, 6):
+                txn.delete(b"p/%02d" % i)
+            txn.put(b"p/07", b"queued")
+            txn.put(b"p/99", b"queued")
+        await a.transact(change)
+        assert a.wb.holding and a.wb.queue
+        want = [b"p/07"] + [b"p/%02d" % i for i in range(8, 20, 2)] + [b"p/99"]
+
+        async def paged(get, limit):
+            got, start = [], b"p/"
+            while True:
+                rows = await get(start, limit)
+                got += [k for k, _ in rows]
+                if len(rows) < limit:
+                    return got
+                start = rows[-1][0] + b"\0"
+        for limit in (1, 2, 3, 5):
+            assert await paged(lambda s, n: a.range(s, b"p0", n), limit) == want, limit
+            assert await paged(lambda s, n: a.begin().range(s, b"p0", n), limit) == want, limit
+        hold.set()
+        await a.sync()
+        assert [k for k, _ in await a.range(b"p/", b"p0")] == want
+    run(etcd_cluster, main)

@@ -261,18 +261,25 @@ class EtcdKV(KV):
         end = RESERVED if not end or end > RESERVED else end
         if (start or b"\0") >= end:
             return []
+        # this client's queued writes in the range can hide rows (deletes) or add some
+        # past the last row fetched: fetch as many more, and cut at that row
+        lim = limit + self.wb.count_in(start, end) if limit else 0
         rows = None if fresh else self.cache.range(start, end)
         if rows is None:
-            body = {"key": _b64(start or b"\0"), "range_end": _b64(end), "limit": limit}
+            body = {"key": _b64(start or b"\0"), "range_end": _b64(end), "limit": lim}
             data = await self._call("/v3/kv/range", body)
             rows, at = _rows(data), _revision(data)
             for k, v, rev in rows:
                 self.cache.fetched(k, v, rev, at)
-            if start and end == prefix_end(start) and (not limit or len(rows) < limit):
+            if start and end == prefix_end(start) and (not lim or len(rows) < lim):
                 self.cache.ranged(start, rows, at)  # every key under the prefix
-        elif limit:
-            rows = rows[:limit]
-        return self.wb.merge_range(rows, start, end)
+        elif lim:
+            rows = rows[:lim]
+        merged = self.wb.merge_range(rows, start, end)
+        if lim and len(rows) >= lim:  # more may follow the last row fetched
+            last = rows[-1][0]
+            merged = [r for r in merged if r[0] <= last]
+        return merged[:limit] if limit else merged
 
     async def range(self, start, end, limit=0):
         """Outside a transaction: always from etcd (with this client's queued writes)."""

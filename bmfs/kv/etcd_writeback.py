@@ -135,6 +135,12 @@ class WriteBehind:
             return hit[0], -hit[1]
         return None
 
+    def count_in(self, start: bytes, end: bytes) -> int:
+        """How many queued writes (puts or deletes) fall in [start, end)."""
+        if not self.overlay:
+            return 0
+        return sum(1 for k in self.overlay if k >= start and (not end or k < end))
+
     def merge_range(self, rows, start: bytes, end: bytes):
         """Rows of a range read with the queued writes applied."""
         if not self.overlay:

@@ -437,3 +437,35 @@ def test_write_behind_limited_ranges_page_exactly(etcd_cluster):
         await a.sync()
         assert [k for k, _ in await a.range(b"p/", b"p0")] == want
     run(etcd_cluster, main)
+
+
+def test_write_behind_sync_under_load(etcd_cluster):
+    """sync() (fsync) waits for what was queued before it, not for a queue that other
+    tasks keep filling: it returns while they go on, and what it waited for is in etcd."""
+    etcd_cluster.wipe()
+
+    async def main(a):
+        c = await EtcdKV.create(etcd_cluster.url, cache=False)
+        try:
+            await _caches_live(a)
+            a.enable_write_behind()
+            stop = False
+
+            async def busy():
+                while not stop:
+                    await a.transact(_incr)
+            async with trio.open_nursery() as n:
+                for _ in range(3):
+                    n.start_soon(busy)
+                await trio.sleep(1)
+                assert a.wb.holding
+                before = int(await a.begin().get(b"ctr"))
+                with trio.fail_after(5):
+                    await a.sync()
+                committed = int(await c.get(b"ctr"))  # etcd itself, not a's queue
+                still_busy = a.wb.queue or int(await a.begin().get(b"ctr")) > before
+                stop = True
+            assert committed >= before and still_busy
+        finally:
+            await c.aclose()
+    run(etcd_cluster, main)

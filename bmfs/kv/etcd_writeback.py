@@ -56,7 +56,7 @@ import os
 
 import trio
 
-from ..errors import Conflict, FsError, NotFound, Unavailable
+from ..errors import Conflict, FsError, IOFailure, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -250,17 +250,23 @@ class WriteBehind:
         self._wake.set()
 
     async def drain(self, timeout: float) -> None:
-        """Wait until everything queued so far is committed (or dropped as lost).
+        """Wait until everything queued before this call is committed (or dropped as
+        lost).
 
         Raises:
             Unavailable: it is not after ``timeout`` seconds, or the committer could
                 not reach etcd (then the queue stays and is committed once etcd answers
                 again).
+            IOFailure: queued changes were lost meanwhile (the token's lease ended).
         """
-        with trio.move_on_after(timeout):
-            while self.queue and not self.stalled:
+        last, lost = self.seq, self.lost  # (not what is queued meanwhile: under load,
+        with trio.move_on_after(timeout):   # the queue is never empty)
+            while self.queue and self.queue[0].seq <= last and not self.stalled:
                 await self._state.wait()
-            if not self.queue:
+            if self.lost > lost:
+                raise IOFailure("etcd metadata: queued changes of this mount could not be "
+                                "committed and are lost (see the mount's log)")
+            if not self.queue or self.queue[0].seq > last:
                 return
         raise Unavailable(f"etcd metadata: {len(self.queue)} queued changes of this mount "
                           f"not committed after {timeout:.0f} s (etcd unreachable)")
@@ -464,13 +470,14 @@ class WriteBehind:
                     self.landed[k] = (e.seq, rev)
                 if self.overlay[k][1] == e.seq:  # no later entry wrote it
                     del self.overlay[k]
+        self._notify()  # (drain waits for its part of the queue)
 
     async def aclose(self) -> None:
         if self._scope is None:
             return
         try:
             await self.drain(30)
-        except Unavailable as e:
+        except (Unavailable, IOFailure) as e:
             self.lost += len(self.queue)
             log.error("etcd write-behind: closing with %s; they are lost", e)
         if self.holding:

@@ -49,8 +49,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
             log.warning("the last mount crashed: deleted %d fragment files of writes it "
                         "never committed", swept)
         fs = await FileSystem.create(volume, opts.branch)
-        if hasattr(volume.kv, "enable_write_behind"):  # etcd: commit behind (docs/etcd.md)
-            volume.kv.enable_write_behind()
+        volume.kv.enable_write_behind()  # etcd: commit behind (docs/etcd.md)
         ops = Operations(fs, opts.attr_timeout)
         fuse_options = set(pyfuse3.default_options)
         fuse_options.discard("default_permissions")

@@ -47,6 +47,28 @@ def prefix_end(prefix: bytes) -> bytes:
     return b""  # whole keyspace
 
 
+def merge_rows(rows, changes, limit: int, fetched: int):
+    """A range read with changes not yet in the store applied: ``rows`` are the store's
+    ``(key, value, revision)`` in key order, read with limit ``fetched`` (0: none);
+    ``changes`` are ``(key, value or None, revision)`` in the same range. The store was
+    asked for ``limit`` plus one row per change (deletes can hide that many), so if it
+    returned ``fetched`` rows, more may follow its last one: the result stops there
+    (changes past it belong to a later page)."""
+    if not changes:
+        return rows[:limit] if limit else rows
+    merged = {k: (v, rev) for k, v, rev in rows}
+    for k, v, rev in changes:
+        if v is None:
+            merged.pop(k, None)
+        else:
+            merged[k] = (v, rev)
+    out = sorted((k, v, rev) for k, (v, rev) in merged.items())
+    if fetched and len(rows) >= fetched:
+        last = rows[-1][0]
+        out = [r for r in out if r[0] <= last]
+    return out[:limit] if limit else out
+
+
 class KV(abc.ABC):
     """A transactional KV store. Create with ``await open_kv(url)``; close with ``aclose``."""
 
@@ -101,6 +123,10 @@ class KV(abc.ABC):
         made before it may have been older; engines whose reads are never stale need
         do nothing (False)."""
         return False
+
+    def enable_write_behind(self) -> None:
+        """Let this client commit behind where the engine can (etcd: a mount does, see
+        bmfs/kv/etcd_writeback.py; tools do not). Others commit at once anyway."""
 
     def statistics(self) -> dict:
         """Engine-specific counters for `bmfs status --json` (``meta_engine``)."""

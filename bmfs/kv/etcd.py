@@ -54,32 +54,23 @@ fails; the kernel's cache timeouts bound the harm.
 """
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
-import os
 
 import httpx
 import trio
 
 from ..errors import Conflict, IOFailure, NotFound, Unavailable
-from . import KV, prefix_end
+from . import KV, merge_rows, prefix_end
 from .etcd_cache import COMPLETE_KEYS, ReadCache
+from .etcd_wire import REQ_PREFIX, RESERVED, new_request_id  # noqa: F401  (re-exported)
+from .etcd_wire import b64 as _b64
+from .etcd_wire import unb64 as _unb64
 from .etcd_writeback import WriteBehind
 
-RESERVED = b"\xff\xff\xff\xff"  # engine-private keys: every key >= RESERVED
-REQ_PREFIX = RESERVED + b"r/"   # request ids of commits: REQ_PREFIX + 32 hex digits
 REQ_TTL = 600                   # seconds of the lease request ids are attached to
 BIG_PREFIX_PAUSE = 60.0         # seconds before prefetch tries a too-big prefix again
 _RETRY_CODES = {4, 8, 14}       # gRPC DeadlineExceeded, ResourceExhausted, Unavailable
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _unb64(text: str | None) -> bytes:
-    return base64.b64decode(text or "")  # the gateway omits empty values
 
 
 def _rows(data: dict) -> list[tuple[bytes, bytes, int]]:
@@ -105,10 +96,6 @@ def _too_big(msg: str) -> str:
         return (" (a metadata transaction larger than etcd accepts: start etcd with a "
                 "larger --max-request-bytes, e.g. 10485760)")
     return ""
-
-
-def new_request_id() -> bytes:
-    return REQ_PREFIX + os.urandom(16).hex().encode()
 
 
 class _Retry(Exception):
@@ -245,11 +232,12 @@ class EtcdKV(KV):
 
     # -- the KV primitives -------------------------------------------------------------
     async def _get(self, key):
-        hit = (self.wb.overlay and self.wb.lookup(key)) or self.cache.lookup(key)
+        hit = self.wb.lookup(key) or self.cache.lookup(key)
         return hit if hit is not None else await self._get_fresh(key)
 
     async def _get_fresh(self, key):
-        if self.wb.overlay and (hit := self.wb.lookup(key)) is not None:
+        hit = self.wb.lookup(key)  # this client's queued write: newer than etcd's
+        if hit is not None:
             return hit
         data = await self._call("/v3/kv/range", {"key": _b64(key)})
         rows = _rows(data)
@@ -263,7 +251,8 @@ class EtcdKV(KV):
             return []
         # this client's queued writes in the range can hide rows (deletes) or add some
         # past the last row fetched: fetch as many more, and cut at that row
-        lim = limit + self.wb.count_in(start, end) if limit else 0
+        queued = self.wb.changes_in(start, end)
+        lim = limit + len(queued) if limit else 0
         rows = None if fresh else self.cache.range(start, end)
         if rows is None:
             body = {"key": _b64(start or b"\0"), "range_end": _b64(end), "limit": lim}
@@ -275,11 +264,7 @@ class EtcdKV(KV):
                 self.cache.ranged(start, rows, at)  # every key under the prefix
         elif lim:
             rows = rows[:lim]
-        merged = self.wb.merge_range(rows, start, end)
-        if lim and len(rows) >= lim:  # more may follow the last row fetched
-            last = rows[-1][0]
-            merged = [r for r in merged if r[0] <= last]
-        return merged[:limit] if limit else merged
+        return merge_rows(rows, queued, limit, lim)
 
     async def range(self, start, end, limit=0):
         """Outside a transaction: always from etcd (with this client's queued writes)."""

@@ -42,6 +42,8 @@ conflict on one of its keys, the watch ending, memory limits).
 """
 from __future__ import annotations
 
+import bisect
+
 import trio
 
 from . import prefix_end
@@ -63,7 +65,7 @@ class ReadCache:
         self.watch_rev = 0      # every change up to here has been applied
         self.live = False       # a watch is running and caught up with its start
         self._moved = trio.Event()
-        # complete prefixes: prefix -> [as_of, set of the keys under it]
+        # complete prefixes: prefix -> [as_of, sorted list of the keys under it]
         self.complete: dict[bytes, list] = {}
         self._lengths: set[int] = set()  # the lengths of the complete prefixes
         self.on_change = None   # hook: f(key, value) for every change the watch delivers
@@ -93,8 +95,9 @@ class ReadCache:
         p = self._covering(start)
         if p is None or not end or end > prefix_end(p):
             return None
+        keys = self.complete[p][1]  # sorted: a lookup's small range costs O(log n)
         rows = []
-        for k in sorted(k for k in self.complete[p][1] if start <= k < end):
+        for k in keys[bisect.bisect_left(keys, start):bisect.bisect_left(keys, end)]:
             e = self.entries[k]
             rows.append((k, e[0], e[1]))
         self.hits += 1
@@ -138,7 +141,7 @@ class ReadCache:
     def ranged(self, prefix: bytes, rows, as_of: int) -> None:
         """``rows`` are every key under ``prefix`` at revision ``as_of``."""
         if self.live and as_of >= self.watch_rev and len(rows) <= COMPLETE_KEYS:
-            present = {k for k, _, _ in rows}
+            present = [k for k, _, _ in rows]  # (etcd returns them in key order)
             if all(k in self.entries for k in present):  # (none evicted meanwhile)
                 self._mark(prefix, as_of, present)
 
@@ -146,7 +149,7 @@ class ReadCache:
         """No key under any of ``prefixes`` exists (nor can, but through this client)."""
         if self.live:
             for p in prefixes:
-                self._mark(p, self.watch_rev, set())
+                self._mark(p, self.watch_rev, [])
 
     def _mark(self, prefix, as_of, present):
         if len(self.complete) >= MAX_COMPLETE:
@@ -168,7 +171,7 @@ class ReadCache:
             self._drop_complete()
         self.entries[key] = (value, mod_rev, as_of)
         if c is not None:
-            (c.add if value is not None else c.discard)(key)
+            _update_sorted(c, key, value is not None)
 
     def _complete_of(self, key, e, rev):
         """For a change of ``key`` at ``rev``: the key set of its complete prefix to
@@ -245,3 +248,13 @@ class ReadCache:
         return {"entries": len(self.entries), "complete_prefixes": len(self.complete),
                 "hits": self.hits, "misses": self.misses,
                 "live": self.live, "watch_revision": self.watch_rev}
+
+
+def _update_sorted(keys: list, key: bytes, present: bool) -> None:
+    """Add (``present``) or remove ``key`` in the sorted list ``keys``."""
+    i = bisect.bisect_left(keys, key)
+    there = i < len(keys) and keys[i] == key
+    if present and not there:
+        keys.insert(i, key)
+    elif not present and there:
+        del keys[i]

@@ -49,7 +49,6 @@ over 5 s) the queue cannot commit: its entries are dropped and logged as lost.
 """
 from __future__ import annotations
 
-import base64
 import contextlib
 import logging
 import os
@@ -57,6 +56,8 @@ import os
 import trio
 
 from ..errors import Conflict, FsError, IOFailure, NotFound, Unavailable
+from .etcd_wire import b64 as _b64
+from .etcd_wire import new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,6 @@ class WriteBehind:
         self.batches = 0
         self.entries = 0
         self._wake = trio.Event()      # the committer has work (or a recall)
-        self._drained = trio.Event()   # the queue became empty
         self._state = trio.Event()     # set (and replaced) when holding/recalled/stalled change
         self._lock = trio.Lock()       # one acquisition or release at a time
         self._local = trio.Lock()      # one local decision at a time (serializable)
@@ -135,24 +135,12 @@ class WriteBehind:
             return hit[0], -hit[1]
         return None
 
-    def count_in(self, start: bytes, end: bytes) -> int:
-        """How many queued writes (puts or deletes) fall in [start, end)."""
+    def changes_in(self, start: bytes, end: bytes) -> list:
+        """``(key, value or None, -seq)`` of the queued writes in [start, end)."""
         if not self.overlay:
-            return 0
-        return sum(1 for k in self.overlay if k >= start and (not end or k < end))
-
-    def merge_range(self, rows, start: bytes, end: bytes):
-        """Rows of a range read with the queued writes applied."""
-        if not self.overlay:
-            return rows
-        out = {k: (v, r) for k, v, r in rows}
-        for k, (v, seq) in self.overlay.items():
-            if k >= start and (not end or k < end):
-                if v is None:
-                    out.pop(k, None)
-                else:
-                    out[k] = (v, -seq)
-        return [(k, v, r) for k, (v, r) in sorted(out.items())]
+            return []
+        return [(k, v, -seq) for k, (v, seq) in self.overlay.items()
+                if k >= start and (not end or k < end)]
 
     # -- transactions ----------------------------------------------------------------
     async def transact(self, fn, attempts, base_transact):
@@ -233,7 +221,7 @@ class WriteBehind:
             return False, None
         if txn.writes:
             while len(self.queue) >= MAX_QUEUE:
-                await self._drained.wait()
+                await self._state.wait()  # (notified after each batch)
             if not self.exclusive():
                 return False, None
             self._enqueue(txn)
@@ -246,7 +234,6 @@ class WriteBehind:
         self.queue.append(_Entry(reads, dict(txn.writes), self.seq))
         for k, v in txn.writes.items():
             self.overlay[k] = (v, self.seq)
-        self._drained = trio.Event() if self._drained.is_set() else self._drained
         self._wake.set()
 
     async def drain(self, timeout: float) -> None:
@@ -396,8 +383,6 @@ class WriteBehind:
                     self._wake = trio.Event()
                     while self.queue:
                         await self._commit_batch()
-                    self._drained.set()
-                    self._notify()
                     if self.holding and self.recalled:
                         await self._give_up()
 
@@ -434,7 +419,7 @@ class WriteBehind:
                     reads.setdefault(k, r)
             writes.update(e.writes)
             n += 1
-        batch, rid, rev = self.queue[:n], _new_rid(), None
+        batch, rid, rev = self.queue[:n], new_request_id(), None
         delay = 0.05
         while True:
             try:
@@ -488,11 +473,3 @@ class WriteBehind:
         return {"holding": self.holding, "queued": len(self.queue), "batches": self.batches,
                 "entries": self.entries, "lost": self.lost}
 
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _new_rid() -> bytes:
-    from .etcd import new_request_id  # (etcd.py imports this module)
-    return new_request_id()

@@ -35,7 +35,7 @@ import struct
 from crc32c import crc32c
 
 from ..errors import Conflict, VolumeError
-from . import KV
+from . import KV, merge_rows
 
 log = logging.getLogger(__name__)
 APPLY_KEYS = 4096  # pending keys that make the next commit apply the batch to SQLite
@@ -166,20 +166,8 @@ class SqliteKV(KV):
             q += " LIMIT ?"
             args.append(sql_limit)
         rows = self._db.execute(q, args).fetchall()
-        if lo == hi:
-            return rows
-        merged = {k: (v, rev) for k, v, rev in rows}
-        for k in keys[lo:hi]:
-            v, rev = self._pending[k]
-            if v is None:
-                merged.pop(k, None)
-            else:
-                merged[k] = (v, rev)
-        out = sorted((k, v, rev) for k, (v, rev) in merged.items())
-        if sql_limit and len(rows) == sql_limit:  # SQLite has more past its last row
-            last = rows[-1][0]
-            out = [r for r in out if r[0] <= last]
-        return out[:limit] if limit else out
+        return merge_rows(rows, [(k, *self._pending[k]) for k in keys[lo:hi]], limit,
+                          sql_limit)
 
     # -- commits: a redo record now, SQLite in batches -----------------------------------
     async def _commit(self, reads, writes):

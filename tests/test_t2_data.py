@@ -120,3 +120,67 @@ def test_placement_spreads_over_failure_domains():
         assert sorted(domains[d] for d in devs).count("rack0") == 2
     # fewer devices than fragments: every fragment still placed
     assert len(place_available(5, [1, 2], 3, {1: "a", 2: "b"})) == 3
+
+
+class SlowStore(FileStore):
+    """A device whose reads stall (a failing disk): each read takes ``delay`` seconds."""
+    delay = 0.0
+
+    def read_parts(self, name, ranges):
+        import time
+        time.sleep(self.delay)
+        return super().read_parts(name, ranges)
+
+
+def test_small_reads_inline_unless_others_wait_or_device_slow(tmp_path):
+    """A lone small read is served on the event loop; with requests queued on the
+    watched descriptor, or from a device that stalled, it goes to a worker thread.
+    Every path returns the same bytes."""
+    stores = {}
+    for d in range(6):
+        FileStore.format(str(tmp_path / f"d{d}"), "vol", d)
+        stores[d] = SlowStore(str(tmp_path / f"d{d}"), "vol", d)
+    transport = LocalTransport(stores)
+    client = DataClient(transport, list(stores), 4, 2, 1024)
+    data = os.urandom(4 << 20)
+    r, w = os.pipe()
+
+    async def main():
+        st = await client.write_stripe(5, data)
+        stats = transport.stats
+        before = dict(stats)
+        assert await client.read(5, st, 8192, 4096) == data[8192:12288]
+        assert stats["inline_reads"] == before["inline_reads"] + 1
+        assert stats["thread_reads"] == before["thread_reads"]
+        assert await client.read(5, st, 0, 1 << 20) == data[:1 << 20]  # large: a thread
+        assert stats["thread_reads"] == before["thread_reads"] + 1
+
+        transport.watch_requests(r)   # nothing queued: still inline
+        assert await client.read(5, st, 100, 50) == data[100:150]
+        assert stats["inline_reads"] == before["inline_reads"] + 2
+        os.write(w, b"x")             # a request waits behind this one: a thread
+        assert await client.read(5, st, 200, 50) == data[200:250]
+        assert stats["thread_reads"] == before["thread_reads"] + 2
+        os.read(r, 1)
+
+        dev = st.devices[0]
+        stores[dev].delay = 0.03      # the device stalls once: threads from then on
+        assert await client.read(5, st, 300, 50) == data[300:350]
+        assert stats["inline_reads"] == before["inline_reads"] + 3
+        assert await client.read(5, st, 400, 50) == data[400:450]
+        assert stats["thread_reads"] == before["thread_reads"] + 3
+        other = st.devices[1]         # other devices are still read inline
+        assert await client.read(5, st, (1 << 20) + 10, 50) == data[(1 << 20) + 10:(1 << 20) + 60]
+        assert stats["inline_reads"] == before["inline_reads"] + 4
+        assert other != dev
+
+        # a fragment gone from a device read inline: decoded from the others
+        os.unlink(stores[other]._file("%016x.%d" % (5, 1)))
+        client._tables.clear()
+        assert await client.read(5, st, (1 << 20) + 10, 50) == data[(1 << 20) + 10:(1 << 20) + 60]
+        assert client.stats["degraded_reads"] >= 1
+    try:
+        trio.run(main)
+    finally:
+        os.close(r)
+        os.close(w)

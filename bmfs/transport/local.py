@@ -2,33 +2,87 @@
 
 Fragment I/O is blocking file I/O, so it runs off the event loop; the limiter keeps
 the number of threads bounded. Buffers are handed over without copies.
+
+Small reads are the exception when nothing else waits (see ``read``): a worker
+thread costs about 100 us here (two wake-ups and the GIL passed back and forth), more
+than reading a few KiB from an NVMe device, so a lone small read is done on the event
+loop itself, as s3ql reads its cache files. A device whose read took long there
+(``SLOW_INLINE`` on average, or one ``STALL``) is read from threads only for a while.
 """
 from __future__ import annotations
+
+import os
+import select
+import time
 
 import trio
 
 from . import DeviceError, run_in_thread
+
+INLINE_MAX = 64 << 10   # reads up to this size may be done on the event loop
+SLOW_INLINE = 0.0005    # a device whose inline reads average more than this (busy or
+STALL = 0.02            # slow), or one of which took longer than this, ...
+SLOW_FOR = 10.0         # ... is read from threads only for this long
+INLINE = os.environ.get("BMFS_INLINE_READS", "1") != "0"
 
 
 class LocalTransport:
     def __init__(self, stores: dict, threads: int = 12):
         self.stores = stores  # dev id -> store (or an exception saying why it is absent)
         self._limiter = trio.CapacityLimiter(threads)
+        self._threaded = 0      # calls under way in worker threads
+        self._slow: dict[int, float] = {}  # dev -> time until which reads use threads
+        self._latency: dict[int, float] = {}  # dev -> smoothed inline read time
+        self._waiting = None    # poll() of the FUSE device: requests queued behind us
+        self.stats = {"inline_reads": 0, "thread_reads": 0}
+
+    def watch_requests(self, fd: int) -> None:
+        """Read inline only while no other request waits on ``fd`` (the FUSE device):
+        a burst of concurrent reads then goes to threads and keeps the disk busy."""
+        self._waiting = select.poll()
+        self._waiting.register(fd, select.POLLIN)
 
     async def _call(self, dev, method, *args):
         store = self.stores.get(dev)
         if store is None or isinstance(store, Exception):
             raise DeviceError(dev, str(store) if store else "unknown device")
+        self._threaded += 1
         try:
             return await run_in_thread(getattr(store, method), *args, limiter=self._limiter)
         except OSError as e:
             raise DeviceError(dev, f"{method} failed: {e}") from e
+        finally:
+            self._threaded -= 1
+
+    def _inline(self, dev, ranges) -> bool:
+        if not INLINE or self._threaded or sum(n for _, n in ranges) > INLINE_MAX:
+            return False
+        if self._slow and self._slow.get(dev, 0.0) > time.monotonic():
+            return False
+        return self._waiting is None or not self._waiting.poll(0)
 
     async def put(self, dev: int, name: str, parts) -> None:
         await self._call(dev, "write", name, parts)
 
     async def read(self, dev: int, name: str, ranges) -> list[bytes]:
-        return await self._call(dev, "read_parts", name, ranges)
+        store = self.stores.get(dev)
+        if store is None or isinstance(store, Exception) or not self._inline(dev, ranges):
+            self.stats["thread_reads"] += 1
+            return await self._call(dev, "read_parts", name, ranges)
+        self.stats["inline_reads"] += 1
+        t0 = time.monotonic()
+        try:
+            out = store.read_parts(name, ranges)
+        except OSError as e:
+            raise DeviceError(dev, f"read_parts failed: {e}") from e
+        finally:
+            took = time.monotonic() - t0
+            avg = self._latency[dev] = 0.9 * self._latency.get(dev, 0.0) + 0.1 * took
+            if avg > SLOW_INLINE or took > STALL:
+                self._slow[dev] = t0 + took + SLOW_FOR
+                self._latency[dev] = 0.0
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return out
 
     async def delete(self, dev: int, name: str) -> None:
         await self._call(dev, "delete", name)

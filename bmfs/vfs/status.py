@@ -43,7 +43,8 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
             "format": s.format, "stripe_size": s.stripe_size, "inline_max": s.inline_max,
             "meta": volume.kv.url, "meta_engine": volume.kv.statistics(), "devices": devices, "nodes": nodes, "fragments_awaiting_repair": pending_repair,
             "stripes_awaiting_gc": gc_queue, "branches": branches, "snapshots": snapshots,
-            "data": data_stats or dict(volume.data.stats)}
+            "data": data_stats or dict(volume.data.stats),
+            "transport": dict(getattr(volume.transport, "stats", {}))}
 
 
 def render(st: dict) -> str:

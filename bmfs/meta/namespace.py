@@ -101,6 +101,13 @@ async def adjust_refs(txn: Txn, sids, delta: int) -> None:
 
 
 async def drop_file_data(txn: Txn, chain: Chain, ino: int) -> None:
+    if len(chain.layers) == 1:
+        # a tree of one layer: the scan's values are the top versions that put_chunk
+        # would read again, one lookup per chunk (a third of an unlink's reads)
+        for sub, v in await lscan(txn, chain, keys.chunk_prefix(ino)):
+            await ldel(txn, chain, sub)
+            await adjust_refs(txn, {s.sid for s in unpack_slices(v)}, -1)
+        return
     for idx in await chunk_indexes(txn, chain, ino):
         await put_chunk(txn, chain, ino, idx, [])
 

@@ -1,4 +1,5 @@
-"""bmfs cluster up DIR --nodes N [--ec K+M] | bmfs cluster down DIR"""
+"""bmfs cluster up DIR --nodes N [--ec K+M] | bmfs cluster start DIR [--node I] |
+bmfs cluster down DIR"""
 from ..config import parse_ec
 
 
@@ -14,7 +15,8 @@ def add_parser(sub):
     u.add_argument("--domains", type=int, default=0,
                    help="put node i in failure domain i %% N (default: each node its own)")
     u.set_defaults(func=run_up)
-    r = cs.add_parser("start", help="start nodes that are not running (or one node)")
+    r = cs.add_parser("start", help="start every node and etcd member that is not running "
+                                    "(also after down), or one node")
     r.add_argument("dir")
     r.add_argument("--node", type=int, help="(re)start just this node index")
     r.add_argument("--fault", help="test fault control for the node: delay=SECONDS")
@@ -52,5 +54,5 @@ def run_down(args) -> int:
 def run_start(args) -> int:
     from ..cluster import local
     started = local.restart(args.dir, args.node, args.fault)
-    print("started " + (", ".join(f"node{i}" for i in started) or "nothing (all running)"))
+    print("started " + (", ".join(started) or "nothing (all running)"))
     return 0

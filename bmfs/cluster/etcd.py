@@ -1,9 +1,10 @@
 """A local etcd cluster: members as processes on this machine, on free loopback ports.
 
 Used by `bmfs cluster up DIR --meta etcd` (members beside the storage nodes, listed in
-DIR/cluster.json so `bmfs cluster down` stops them by pid) and by the tests
-(tests/etcd_cluster.py). A production cluster runs etcd members on separate machines;
-what matters here is the flags every member gets (see docs/etcd.md):
+DIR/cluster.json so `bmfs cluster down` stops them by pid and `bmfs cluster start`
+starts them again on their data) and by the tests (tests/etcd_cluster.py). A
+production cluster runs etcd members on separate machines; what matters here is the
+flags every member gets (see docs/etcd.md):
 
 - ``--max-txn-ops 10000``: etcd's default of 128 operations per transaction is too
   small for bmfs (deleting a file touches every chunk and stripe record it has).
@@ -28,6 +29,7 @@ import time
 import urllib.request
 
 from ..errors import VolumeError
+from ..proc import alive
 from .local import free_ports  # noqa: F401  (also used by tests/etcd_cluster.py)
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
@@ -106,25 +108,11 @@ class EtcdCluster:
         os.rename(tmp, os.path.join(self.dir, MEMBERS_FILE))
 
     def _start(self, i: int, state: str) -> None:
-        peers = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports))
-        log = open(os.path.join(self.dir, f"{self.names[i]}.log"), "ab")
-        try:
-            self.procs[i] = subprocess.Popen([
-                ETCD, "--name", self.names[i],
-                "--data-dir", os.path.join(self.dir, self.names[i]),
-                "--listen-client-urls", self.endpoints[i],
-                "--advertise-client-urls", self.endpoints[i],
-                "--listen-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
-                "--initial-cluster", peers, "--initial-cluster-state", state,
-                "--initial-cluster-token", os.path.basename(os.path.abspath(self.dir)),
-                "--max-txn-ops", str(self.max_txn_ops),
-                "--max-request-bytes", str(self.max_request_bytes),
-                "--log-level", "warn",
-            ], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)  # outlives the command that started it
-        finally:
-            log.close()
+        addr = "127.0.0.1:{}".format
+        self.procs[i] = start_member(
+            self.dir, self.names[i], addr(self.client_ports[i]), addr(self.peer_ports[i]),
+            [(n, addr(p)) for n, p in zip(self.names, self.peer_ports)], state,
+            self.max_txn_ops, self.max_request_bytes)
         self._pids[i] = self.procs[i].pid
         self._save()
 
@@ -132,21 +120,9 @@ class EtcdCluster:
         """Wait until every running member reports health (a leader and a quorum)."""
         deadline = time.monotonic() + timeout
         for i, pid in enumerate(self._pids):
-            while pid is not None:
-                proc = self.procs[i]
-                if proc is not None and proc.poll() is not None:
-                    log = os.path.join(self.dir, self.names[i] + ".log")
-                    raise VolumeError(f"etcd member {self.names[i]} exited; see {log}")
-                try:
-                    with urllib.request.urlopen(self.endpoints[i] + "/health", timeout=1) as r:
-                        if json.loads(r.read()).get("health") == "true":
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise VolumeError(f"etcd member {self.names[i]} not healthy after "
-                                      f"{timeout:.0f} s; see {self.dir}/{self.names[i]}.log")
-                time.sleep(0.05)
+            if pid is not None:
+                wait_member_healthy(self.dir, self.names[i], self.endpoints[i], self.procs[i],
+                                    deadline)
 
     def status(self, i: int) -> dict:
         return _post(self.endpoints[i], "/v3/maintenance/status", {})
@@ -204,11 +180,87 @@ class EtcdCluster:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def start_member(directory: str, name: str, client: str, peer: str,
+                 peers: list[tuple[str, str]], state: str, max_txn_ops: int = MAX_TXN_OPS,
+                 max_request_bytes: int = MAX_REQUEST_BYTES) -> subprocess.Popen:
+    """Start etcd member ``name`` (data in DIRECTORY/NAME, log in DIRECTORY/NAME.log)
+    listening on ``client`` and ``peer`` (HOST:PORT); ``peers`` lists every member as
+    (name, peer HOST:PORT). ``state`` is "new" for a first start, "existing" for a member
+    that has its data directory already. Does not wait: see :func:`wait_member_healthy`."""
+    log = open(os.path.join(directory, f"{name}.log"), "ab")
+    try:
+        return subprocess.Popen([
+            ETCD, "--name", name,
+            "--data-dir", os.path.join(directory, name),
+            "--listen-client-urls", f"http://{client}",
+            "--advertise-client-urls", f"http://{client}",
+            "--listen-peer-urls", f"http://{peer}",
+            "--initial-advertise-peer-urls", f"http://{peer}",
+            "--initial-cluster", ",".join(f"{n}=http://{p}" for n, p in peers),
+            "--initial-cluster-state", state,
+            "--initial-cluster-token", os.path.basename(os.path.abspath(directory)),
+            "--max-txn-ops", str(max_txn_ops),
+            "--max-request-bytes", str(max_request_bytes),
+            "--log-level", "warn",
+        ], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)  # outlives the command that started it
+    finally:
+        log.close()
+
+
+def wait_member_healthy(directory: str, name: str, endpoint: str,
+                        proc: subprocess.Popen | None, deadline: float) -> None:
+    """Wait until the member at ``endpoint`` reports health (a leader and a quorum).
+
+    Raises:
+        VolumeError: ``proc`` (when given) exited, or the monotonic ``deadline`` passed.
+    """
+    log = os.path.join(directory, name + ".log")
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise VolumeError(f"etcd member {name} exited; see {log}")
+        try:
+            with urllib.request.urlopen(endpoint + "/health", timeout=1) as r:
+                if json.loads(r.read()).get("health") == "true":
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise VolumeError(f"etcd member {name} not healthy in time; see {log}")
+        time.sleep(0.05)
+
+
 # -- `bmfs cluster up DIR --meta etcd` ----------------------------------------------------
 def start_for_cluster(directory: str, size: int = 3) -> str:
     """Start ``size`` members in DIR/etcd; returns the ``etcd://`` URL for mkfs."""
     cluster = EtcdCluster(os.path.join(directory, "etcd"), size)
     return cluster.url
+
+
+def restart_for_cluster(directory: str, members: list[dict], timeout: float = 20.0) -> list[str]:
+    """Start the members of DIR/cluster.json's ``etcd`` list that are not running, on
+    their ports and their data in DIR/etcd, and wait until every member is healthy.
+
+    Sets the ``pid`` of each member started in ``members`` (also when a later one fails,
+    so `bmfs cluster down` can stop it) and returns their names.
+
+    Raises:
+        VolumeError: a member exited or did not become healthy within ``timeout``.
+    """
+    etcd_dir = os.path.join(directory, "etcd")
+    peers = [(m["name"], m["peer"]) for m in members]
+    procs: dict[str, subprocess.Popen] = {}
+    for m in members:
+        if m.get("pid") and alive(m["pid"]):
+            continue
+        procs[m["name"]] = start_member(etcd_dir, m["name"], m["client"], m["peer"], peers,
+                                        "existing")
+        m["pid"] = procs[m["name"]].pid
+    deadline = time.monotonic() + timeout
+    for m in members:  # one member alone has no quorum: wait once all are started
+        wait_member_healthy(etcd_dir, m["name"], f"http://{m['client']}", procs.get(m["name"]),
+                            deadline)
+    return list(procs)
 
 
 def record_in_cluster(directory: str) -> None:

@@ -1,9 +1,11 @@
-"""`bmfs cluster up/down`: a test cluster of storage-node processes on this machine.
+"""`bmfs cluster up/start/down`: a test cluster of storage-node processes on this machine.
 
 DIR/cluster.json lists every process with its pid and address; DIR is also the volume
 directory (volume.json, the metadata, the cluster secret), so `bmfs mount MP --volume
 DIR` mounts it. Each node is a separate `bmfs node serve` process on loopback owning
-one device directory DIR/nodeN/dev.
+one device directory DIR/nodeN/dev. `down` stops every process and renames the file to
+DIR/cluster.json.down; `start` renames it back and starts every process again on the
+same ports and data.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import trio
 from ..errors import VolumeError
 
 CLUSTER_FILE = "cluster.json"
+DOWN_FILE = CLUSTER_FILE + ".down"  # what `down` leaves: the same list, nothing running
 
 
 def free_ports(n: int) -> list[int]:
@@ -108,8 +111,11 @@ def read_info(directory: str) -> dict:
         with open(os.path.join(directory, CLUSTER_FILE)) as f:
             return json.load(f)
     except FileNotFoundError:
+        if os.path.exists(os.path.join(directory, DOWN_FILE)):
+            raise VolumeError(f"{directory}: the cluster is down "
+                              f"(`bmfs cluster start {directory}` starts all of it)") from None
         raise VolumeError(f"{directory}: no {CLUSTER_FILE} (not a cluster started by "
-                          f"`bmfs cluster up`)")
+                          f"`bmfs cluster up`)") from None
 
 
 def write_info(directory: str, info: dict) -> None:
@@ -139,20 +145,49 @@ def _stop(pid: int, timeout: float = 5.0) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def restart(directory: str, index: int | None = None, fault: str | None = None) -> list[int]:
-    """Start the nodes that are not running (or node ``index``); returns their indexes."""
+def _reopen(directory: str) -> None:
+    """After `bmfs cluster down`: DIR/cluster.json back from DIR/cluster.json.down, with
+    no pids (the old ones may belong to other processes by now)."""
+    stopped = os.path.join(directory, DOWN_FILE)
+    if os.path.exists(os.path.join(directory, CLUSTER_FILE)) or not os.path.exists(stopped):
+        return
+    with open(stopped) as f:
+        info = json.load(f)
+    for proc in info["nodes"] + info.get("etcd", []):
+        proc["pid"] = None
+    write_info(directory, info)
+    os.remove(stopped)
+
+
+def restart(directory: str, index: int | None = None, fault: str | None = None) -> list[str]:
+    """Without ``index``: start every etcd member, then every node, that is not running,
+    also after `bmfs cluster down`. With it: (re)start node ``index``. The new pids go
+    into cluster.json (also those started before a failure); returns the names started.
+
+    Raises:
+        VolumeError: DIR is no cluster (or, with ``index``, one that is down), or a
+            process exited or did not start listening in time (its log is named).
+    """
+    if index is None:
+        _reopen(directory)
     info = read_info(directory)
     started = []
-    for node in info["nodes"]:
-        if index is not None and node["index"] != index:
-            continue
-        if node.get("pid") and _alive(node["pid"]):
-            if index is None:
+    try:
+        if index is None and info.get("etcd"):
+            from . import etcd  # imports this module: not at the top
+            started += [f"etcd {name}" for name in etcd.restart_for_cluster(directory,
+                                                                            info["etcd"])]
+        for node in info["nodes"]:
+            if index is not None and node["index"] != index:
                 continue
-            _stop(node["pid"])
-        node["pid"] = start_node(directory, node, fault)
-        started.append(node["index"])
-    write_info(directory, info)
+            if node.get("pid") and _alive(node["pid"]):
+                if index is None:
+                    continue
+                _stop(node["pid"])
+            node["pid"] = start_node(directory, node, fault)
+            started.append(f"node{node['index']}")
+    finally:
+        write_info(directory, info)
     return started
 
 
@@ -167,6 +202,5 @@ def down(directory: str) -> int:
         if member.get("pid"):
             _stop(member["pid"])
             n += 1
-    os.rename(os.path.join(directory, CLUSTER_FILE),
-              os.path.join(directory, CLUSTER_FILE + ".down"))
+    os.rename(os.path.join(directory, CLUSTER_FILE), os.path.join(directory, DOWN_FILE))
     return n

@@ -140,6 +140,59 @@ def test_batches_are_applied_as_commits_go_on(tmp_path, monkeypatch):
     trio.run(main)
 
 
+def test_read_cache_follows_commits_and_batches(tmp_path, monkeypatch):
+    """Single-key reads come from a cache of what SQLite holds (read or applied
+    lately): every get must still equal a model through puts, deletes, batches
+    applied, absent keys read before they exist, the cache trimmed, and a reopen;
+    a transaction's compare sees the same revisions as SQLite's rows."""
+    import random
+    monkeypatch.setattr(engine, "APPLY_KEYS", 16)
+    monkeypatch.setattr(engine, "CACHE_KEYS", 40)
+    rng = random.Random(5)
+    keys = [b"c%03d" % i for i in range(120)]
+    model: dict = {}
+
+    async def check(kv):
+        for k in rng.sample(keys, 60):
+            assert await kv.get(k) == model.get(k), k
+        for k in rng.sample(keys, 10):  # the revision compared is SQLite's own
+            t = kv.begin()
+            await t.get(k)
+            if k in kv._pending:
+                v, rev = kv._pending[k]
+                want = rev if v is not None else 0
+            else:
+                row = kv._db.execute("SELECT rev FROM kv WHERE k=?", (k,)).fetchone()
+                want = row[0] if row else 0
+            assert t.reads[k] == want, k
+
+    async def main():
+        kv = await open_kv(f"sqlite:{tmp_path}/meta.db")
+        for step in range(300):
+            t = kv.begin()
+            for k in rng.sample(keys, 3):
+                if rng.random() < 0.3:
+                    t.delete(k)
+                    model.pop(k, None)
+                else:
+                    v = b"%d" % step
+                    t.put(k, v)
+                    model[k] = v
+            await kv.commit(t)
+            if step % 25 == 0:
+                await check(kv)
+        assert 0 < len(kv._cache) <= 40
+        await check(kv)
+        await kv.sync()
+        await check(kv)
+        await kv.aclose()
+        kv = await open_kv(f"sqlite:{tmp_path}/meta.db")
+        assert {k: v for k, v in await kv.range(b"c", b"d")} == model
+        await check(kv)
+        await kv.aclose()
+    trio.run(main)
+
+
 def test_metadata_operations_survive_kill9_of_the_mount(volume, tmp_path):
     """Completed creates, renames and unlinks, with no fsync, are there after kill -9."""
     mp = tmp_path / "mnt"

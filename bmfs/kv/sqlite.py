@@ -6,7 +6,10 @@ commits are applied to SQLite later in one transaction each (``APPLY_KEYS`` keys
 at sync/close). An SQLite commit writes every B-tree page it touched to the WAL (a
 small-file unlink touches ~8 pages: ~16 write calls and 32 KiB); the log record is
 one call of a few hundred bytes, and a batch shares the pages. Reads see the pending
-commits first, so nothing above can tell.
+commits first, so nothing above can tell. Single-key reads then look in a cache of
+what SQLite holds for keys read or applied lately (``CACHE_KEYS``; absent keys too),
+exact because this process is the database's only writer: an unlink reads ~6 keys,
+most of them just written or read by the operations before it.
 
 Durability, as before: a commit survives a crash of the process as soon as it
 returns (its record is in the page cache), and :meth:`sync`, which fsync(2)/fsyncdir
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import fcntl
+import itertools
 import logging
 import os
 import sqlite3
@@ -39,6 +43,7 @@ from . import KV, merge_rows
 
 log = logging.getLogger(__name__)
 APPLY_KEYS = 4096  # pending keys that make the next commit apply the batch to SQLite
+CACHE_KEYS = 65536  # values (and absences) of keys read or written lately, kept in memory
 LOG_MAX = 64 << 20  # a redo log this large is cut back (apply, fsync the WAL) at once
 _REC = struct.Struct("<II")  # record: body length, crc32c of the body; body follows
 _BODY = struct.Struct("<QI")  # body: revision, number of entries; entries follow
@@ -97,6 +102,9 @@ class SqliteKV(KV):
         # the same keys sorted (range reads merge them in)
         self._pending: dict[bytes, tuple[bytes | None, int]] = {}
         self._pending_keys: list[bytes] = []
+        # key -> (value or None, revision) as SQLite has it, for keys read or applied
+        # lately: exact, since nothing but this process writes the database
+        self._cache: dict[bytes, tuple[bytes | None, int]] = {}
         self._log = os.open(path + "-redo", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         self._log_size = 0
 
@@ -147,8 +155,20 @@ class SqliteKV(KV):
         pending = self._pending.get(key)
         if pending is not None:
             return pending if pending[0] is not None else (None, 0)
-        row = self._db.execute("SELECT v, rev FROM kv WHERE k=?", (key,)).fetchone()
-        return (row[0], row[1]) if row else (None, 0)
+        got = self._cache.get(key)
+        if got is None:
+            row = self._db.execute("SELECT v, rev FROM kv WHERE k=?", (key,)).fetchone()
+            got = (row[0], row[1]) if row else (None, 0)
+            self._keep({key: got})
+        return got
+
+    def _keep(self, values: dict) -> None:
+        """Remember values SQLite now holds; past CACHE_KEYS, the oldest quarter goes."""
+        cache = self._cache
+        cache.update(values)
+        if len(cache) > CACHE_KEYS:
+            for k in list(itertools.islice(cache, len(cache) - CACHE_KEYS * 3 // 4)):
+                del cache[k]
 
     async def _range(self, start, end, limit):
         keys = self._pending_keys
@@ -215,6 +235,8 @@ class SqliteKV(KV):
         except BaseException:
             db.execute("ROLLBACK")
             raise
+        self._keep({k: (v, rev) if v is not None else (None, 0)
+                    for k, (v, rev) in self._pending.items()})
         self._pending.clear()
         self._pending_keys.clear()
 

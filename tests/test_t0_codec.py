@@ -6,7 +6,8 @@ import pytest
 
 from bmfs.data import fragment as fr
 from bmfs.data.codec import LIB_HEADER, codec
-from bmfs.meta.records import Inode, Slice, Stripe, compact, pack_slices, unpack_slices, visible
+from bmfs.meta.records import (Inode, Slice, SliceMap, Stripe, compact, pack_slices,
+                                unpack_slices, visible)
 
 
 @pytest.mark.parametrize("k,m", [(4, 2), (2, 1), (6, 3)])
@@ -67,11 +68,24 @@ def _paint(slices, size):
     return out
 
 
+def _flat_slices(rng):
+    """Slices in offset order without overlaps, with gaps (a file written front to back)."""
+    out, pos = [], rng.randrange(5)
+    for _ in range(rng.randrange(0, 8)):
+        n = rng.randrange(1, 15)
+        out.append(Slice(pos, n, rng.randrange(1, 9), rng.randrange(100)))
+        pos += n + rng.choice((0, 0, rng.randrange(1, 6)))
+    return out
+
+
 def test_visible_matches_painting():
     rng = random.Random(1)
-    for _ in range(200):
-        slices = [Slice(rng.randrange(50), rng.randrange(1, 30), rng.randrange(1, 9),
-                        rng.randrange(100)) for _ in range(rng.randrange(1, 8))]
+    for case in range(400):
+        if case % 2:
+            slices = _flat_slices(rng)
+        else:
+            slices = [Slice(rng.randrange(50), rng.randrange(1, 30), rng.randrange(1, 9),
+                            rng.randrange(100)) for _ in range(rng.randrange(1, 8))]
         a = rng.randrange(60)
         b = rng.randrange(a, 80)
         painted = _paint(slices, 80)
@@ -80,6 +94,11 @@ def test_visible_matches_painting():
             for j in range(p.length):
                 got[p.pos + j] = (p.sid, p.soff + j) if p.sid else 0
         assert got[a:b] == painted[a:b]
+        # reads take the same pieces through SliceMap (bisection when flat)
+        smap = SliceMap(slices)
+        if case % 2:
+            assert smap.starts is not None  # searched by bisection
+        assert smap.pieces(a, b) == visible(slices, a, b), (slices, a, b)
         c = compact(slices, 80)
         assert _paint(c, 80) == painted
         assert len(c) <= len(slices) + 8

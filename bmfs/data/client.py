@@ -175,6 +175,9 @@ class DataClient:
         wanted = range(first, last + 1)
         if delay <= 0:
             try:
+                if first == last:  # the usual small read: one range of one fragment
+                    return await self._read_range(sid, st, first,
+                                                  LIB_HEADER + offset - first * bs, end - offset)
                 return await self._read_direct(sid, st, offset, end)
             except (DeviceError, fr.CorruptFragment, _Missing):
                 return await self._read_decoded(sid, st, offset, end, wanted)

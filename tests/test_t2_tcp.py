@@ -54,9 +54,9 @@ class Nodes:
         """From now on, record (fragment name, ranges) of every READ the client sends."""
         self.reads, real = [], self.transport.read
 
-        async def spy(dev, name, ranges):
+        async def spy(dev, name, ranges, check=None):
             self.reads.append((name, ranges))
-            return await real(dev, name, ranges)
+            return await real(dev, name, ranges, check)
         self.transport.read = spy
         return self.reads
 

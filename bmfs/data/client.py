@@ -264,10 +264,11 @@ class DataClient:
         blocks = await self._read_checked(sid, st, index, dev, fr.header_length(st.frag_len),
                                           b0, b1 - b0 * fr.BLOCK, cached_table=True)
         off = p0 - b0 * fr.BLOCK
-        out = blocks[off:off + n]
-        if isinstance(out, bytes) or (len(out) == n and n > 4096):
-            return out  # a view of the reply's own buffer: no copy
-        return bytes(out)
+        if n <= 4096:
+            return bytes(blocks[off:off + n])
+        if off == 0 and len(blocks) == n:
+            return blocks
+        return memoryview(blocks)[off:off + n]  # no copy of a large read (bytes slice would)
 
     async def _read_fragment(self, sid, st, index, copy=True):
         """The whole fragment (pyeclib's header included), verified: bytes, or with
@@ -291,24 +292,29 @@ class DataClient:
         key = (sid, index)
         table = self._tables.get(key) if cached_table else None
         name = fr.fragment_name(sid, index)
+        at = (hlen + first_block * fr.BLOCK, length)
+        read_table = []
+
+        def verify(parts):  # runs where the data was read: a worker thread, locally
+            nonlocal table
+            if table is None:
+                fr.parse_header(parts[0], sid, index, st.frag_len)
+                table = array.array("I", bytes(parts[0][fr.HEAD_FIXED:hlen]))
+                if sys.byteorder != "little":
+                    table.byteswap()
+                read_table.append(table)
+            if len(parts[-1]) != length:
+                raise fr.CorruptFragment("truncated payload")
+            fr.check_blocks(table, first_block, parts[-1])
         try:
             if table is not None:
                 self._tables.move_to_end(key)
-                (data,) = await self.transport.read(
-                    dev, name, [(hlen + first_block * fr.BLOCK, length)])
+                (data,) = await self.transport.read(dev, name, [at], verify)
             else:
-                head, data = await self.transport.read(
-                    dev, name, [(0, hlen), (hlen + first_block * fr.BLOCK, length)])
-                fr.parse_header(head, sid, index, st.frag_len)
-                table = array.array("I", bytes(head[fr.HEAD_FIXED:hlen]))
-                if sys.byteorder != "little":
-                    table.byteswap()
-                self._tables[key] = table
+                _, data = await self.transport.read(dev, name, [(0, hlen), at], verify)
+                self._tables[key] = read_table[0]
                 if len(self._tables) > TABLE_CACHE:
                     self._tables.popitem(last=False)
-            if len(data) != length:
-                raise fr.CorruptFragment("truncated payload")
-            fr.check_blocks(table, first_block, data)
             return data
         except fr.CorruptFragment as e:
             self._tables.pop(key, None)

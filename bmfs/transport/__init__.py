@@ -1,7 +1,8 @@
 """Transports carry fragment operations from a client to the devices that store them.
 
-Interface (all async): ``put(dev, name, parts)``, ``read(dev, name, ranges) -> list
-of bytes``, ``delete(dev, name)``, ``sync(dev)``, ``aclose()``. A transport raises
+Interface (all async): ``put(dev, name, parts)``, ``read(dev, name, ranges, check=None)
+-> list of bytes`` (``check(parts)`` verifies them where they were read, and may
+raise), ``delete(dev, name)``, ``sync(dev)``, ``aclose()``. A transport raises
 ``DeviceError`` when a device cannot serve a request (missing, down, I/O error); the
 data client treats that like a lost fragment.
 

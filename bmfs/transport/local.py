@@ -43,14 +43,17 @@ class LocalTransport:
         self._waiting.register(fd, select.POLLIN)
 
     async def _call(self, dev, method, *args):
+        """``store.method(*args)`` in a worker thread; ``method`` is a name, or a
+        callable taking the arguments."""
         store = self.stores.get(dev)
         if store is None or isinstance(store, Exception):
             raise DeviceError(dev, str(store) if store else "unknown device")
+        fn = getattr(store, method) if isinstance(method, str) else method
         self._threaded += 1
         try:
-            return await run_in_thread(getattr(store, method), *args, limiter=self._limiter)
+            return await run_in_thread(fn, *args, limiter=self._limiter)
         except OSError as e:
-            raise DeviceError(dev, f"{method} failed: {e}") from e
+            raise DeviceError(dev, f"{getattr(method, '__name__', method)} failed: {e}") from e
         finally:
             self._threaded -= 1
 
@@ -64,11 +67,16 @@ class LocalTransport:
     async def put(self, dev: int, name: str, parts) -> None:
         await self._call(dev, "write", name, parts)
 
-    async def read(self, dev: int, name: str, ranges) -> list[bytes]:
+    async def read(self, dev: int, name: str, ranges, check=None) -> list[bytes]:
+        """The byte ranges of a fragment; ``check(parts)``, if given, is run on them
+        where they were read (in the worker thread: a large read's checksums are
+        computed beside the event loop, not on it) and may raise."""
         store = self.stores.get(dev)
         if store is None or isinstance(store, Exception) or not self._inline(dev, ranges):
             self.stats["thread_reads"] += 1
-            return await self._call(dev, "read_parts", name, ranges)
+            if check is None:
+                return await self._call(dev, "read_parts", name, ranges)
+            return await self._call(dev, _ReadChecked(store, check), name, ranges)
         self.stats["inline_reads"] += 1
         t0 = time.monotonic()
         try:
@@ -81,6 +89,8 @@ class LocalTransport:
             if avg > SLOW_INLINE or took > STALL:
                 self._slow[dev] = t0 + took + SLOW_FOR
                 self._latency[dev] = 0.0
+        if check is not None:
+            check(out)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return out
 
@@ -129,3 +139,17 @@ class LocalTransport:
 
     async def aclose(self) -> None:
         pass
+
+
+class _ReadChecked:
+    """``store.read_parts`` followed by ``check`` on what it read, in one thread job."""
+    __name__ = "read_parts"
+    __slots__ = ("store", "check")
+
+    def __init__(self, store, check):
+        self.store, self.check = store, check
+
+    def __call__(self, name, ranges):
+        parts = self.store.read_parts(name, ranges)
+        self.check(parts)
+        return parts

@@ -134,7 +134,7 @@ class TcpTransport:
     async def put(self, dev: int, name: str, parts) -> None:
         await self.request(dev, pb.Request(op=Req.PUT, name=name, durable=True), parts)
 
-    async def read(self, dev: int, name: str, ranges) -> list[bytes]:
+    async def read(self, dev: int, name: str, ranges, check=None) -> list[bytes]:
         t0 = time.monotonic()
         resp, payload = await self.request(
             dev, pb.Request(op=Req.READ, name=name,
@@ -147,6 +147,8 @@ class TcpTransport:
         for n in resp.lengths:
             out.append(payload[pos:pos + n])  # views: no copy
             pos += n
+        if check is not None:
+            check(out)
         return out
 
     async def delete(self, dev: int, name: str) -> None:

@@ -37,8 +37,8 @@ from ..meta.records import Inode, Slice, SliceMap, compact
 from .views import INO_MASK, VIEW_SHIFT
 
 log = logging.getLogger(__name__)
-COMPACT_AT = 64
-PIPELINE = 2  # full stripes of one file stored in the background at once  # slices per chunk before dropping shadowed ones
+COMPACT_AT = 64  # slices per chunk before dropping shadowed ones
+PIPELINE = 2  # full stripes of one file stored in the background at once
 # Chunks released per transaction when a big file is deleted or cut short: a chunk
 # costs up to ~33 operations (its slice list, and each stripe's record and GC entry),
 # and etcd limits a transaction's operations (--max-txn-ops, docs/etcd.md).

@@ -142,9 +142,10 @@ def test_batches_are_applied_as_commits_go_on(tmp_path, monkeypatch):
 
 def test_read_cache_follows_commits_and_batches(tmp_path, monkeypatch):
     """Single-key reads come from a cache of what SQLite holds (read or applied
-    lately): every get must still equal a model through puts, deletes, batches
-    applied, absent keys read before they exist, the cache trimmed, and a reopen;
-    a transaction's compare sees the same revisions as SQLite's rows."""
+    lately, values up to CACHE_VALUE_MAX bytes): every get must still equal a model
+    through puts, deletes, values growing past the limit, batches applied, absent
+    keys read before they exist, the cache trimmed, and a reopen; a transaction's
+    compare sees the same revisions as SQLite's rows; no large value is kept."""
     import random
     monkeypatch.setattr(engine, "APPLY_KEYS", 16)
     monkeypatch.setattr(engine, "CACHE_KEYS", 40)
@@ -174,20 +175,29 @@ def test_read_cache_follows_commits_and_batches(tmp_path, monkeypatch):
                 if rng.random() < 0.3:
                     t.delete(k)
                     model.pop(k, None)
-                else:
-                    v = b"%d" % step
+                else:  # some values too large to be cached (inline file data)
+                    v = b"%d" % step * (300 if rng.random() < 0.2 else 1)
                     t.put(k, v)
                     model[k] = v
             await kv.commit(t)
             if step % 25 == 0:
                 await check(kv)
         assert 0 < len(kv._cache) <= 40
+        assert all(v is None or len(v) <= engine.CACHE_VALUE_MAX for v, _ in kv._cache.values())
         await check(kv)
         await kv.sync()
         await check(kv)
+        for v in (b"small", b"L" * 5000, b"small again"):  # grows past the limit and back
+            t = kv.begin()
+            t.put(b"grow", v)
+            await kv.commit(t)
+            await kv.sync()
+            assert await kv.get(b"grow") == v
+            model[b"grow"] = v
         await kv.aclose()
         kv = await open_kv(f"sqlite:{tmp_path}/meta.db")
-        assert {k: v for k, v in await kv.range(b"c", b"d")} == model
+        assert {k: v for k, v in await kv.range(b"c", b"d")} == \
+            {k: v for k, v in model.items() if k.startswith(b"c")}
         await check(kv)
         await kv.aclose()
     trio.run(main)

@@ -7,7 +7,8 @@ at sync/close). An SQLite commit writes every B-tree page it touched to the WAL 
 small-file unlink touches ~8 pages: ~16 write calls and 32 KiB); the log record is
 one call of a few hundred bytes, and a batch shares the pages. Reads see the pending
 commits first, so nothing above can tell. Single-key reads then look in a cache of
-what SQLite holds for keys read or applied lately (``CACHE_KEYS``; absent keys too),
+what SQLite holds for keys read or applied lately (``CACHE_KEYS``; absent keys too;
+values up to ``CACHE_VALUE_MAX`` bytes),
 exact because this process is the database's only writer: an unlink reads ~6 keys,
 most of them just written or read by the operations before it.
 
@@ -44,6 +45,7 @@ from . import KV, merge_rows
 log = logging.getLogger(__name__)
 APPLY_KEYS = 4096  # pending keys that make the next commit apply the batch to SQLite
 CACHE_KEYS = 65536  # values (and absences) of keys read or written lately, kept in memory
+CACHE_VALUE_MAX = 1024  # larger values (inline file data) are not kept: at most ~64 MiB
 LOG_MAX = 64 << 20  # a redo log this large is cut back (apply, fsync the WAL) at once
 _REC = struct.Struct("<II")  # record: body length, crc32c of the body; body follows
 _BODY = struct.Struct("<QI")  # body: revision, number of entries; entries follow
@@ -163,9 +165,14 @@ class SqliteKV(KV):
         return got
 
     def _keep(self, values: dict) -> None:
-        """Remember values SQLite now holds; past CACHE_KEYS, the oldest quarter goes."""
+        """Remember values SQLite now holds (not those over CACHE_VALUE_MAX bytes, whose
+        keys are forgotten instead); past CACHE_KEYS, the oldest quarter goes."""
         cache = self._cache
-        cache.update(values)
+        for k, got in values.items():
+            if got[0] is not None and len(got[0]) > CACHE_VALUE_MAX:
+                cache.pop(k, None)
+            else:
+                cache[k] = got
         if len(cache) > CACHE_KEYS:
             for k in list(itertools.islice(cache, len(cache) - CACHE_KEYS * 3 // 4)):
                 del cache[k]

@@ -114,6 +114,9 @@ class SliceMap:
     __slots__ = ("slices", "starts")
 
     def __init__(self, slices: list[Slice]):
+        # a slice of no bytes shows nothing (visible() never returns it): left out, so
+        # that it neither breaks the order nor turns up as a piece
+        slices = [sl for sl in slices if sl.length > 0]
         self.slices = slices
         starts: list[int] | None = []
         end = 0

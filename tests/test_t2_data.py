@@ -1,5 +1,6 @@
 """Level 2: the data path over in-process devices, with broken, wiped and corrupt ones."""
 import os
+import time
 
 import pytest
 import trio
@@ -169,9 +170,15 @@ def test_small_reads_inline_unless_others_wait_or_device_slow(tmp_path):
         assert stats["inline_reads"] == before["inline_reads"] + 3
         assert await client.read(5, st, 400, 50) == data[400:450]
         assert stats["thread_reads"] == before["thread_reads"] + 3
+        first = transport._slow[dev] - time.monotonic()
+        transport._slow[dev] = 0.0    # its time out is over; it stalls again: twice as long
+        assert await client.read(5, st, 500, 50) == data[500:550]
+        assert stats["inline_reads"] == before["inline_reads"] + 4
+        assert transport._slow[dev] - time.monotonic() > 1.5 * first
+        stores[dev].delay = 0.0
         other = st.devices[1]         # other devices are still read inline
         assert await client.read(5, st, (1 << 20) + 10, 50) == data[(1 << 20) + 10:(1 << 20) + 60]
-        assert stats["inline_reads"] == before["inline_reads"] + 4
+        assert stats["inline_reads"] == before["inline_reads"] + 5
         assert other != dev
 
         # a fragment gone from a device read inline: decoded from the others

@@ -7,7 +7,10 @@ Small reads are the exception when nothing else waits (see ``read``): a worker
 thread costs about 100 us here (two wake-ups and the GIL passed back and forth), more
 than reading a few KiB from an NVMe device, so a lone small read is done on the event
 loop itself, as s3ql reads its cache files. A device whose read took long there
-(``SLOW_INLINE`` on average, or one ``STALL``) is read from threads only for a while.
+(``SLOW_INLINE`` on average, or one ``STALL``) is read from threads for a while, twice
+as long each time it happens again. The risk taken: while one inline read waits for a
+device, the whole mount waits; a device that stalls is found out by its first stall
+and then read from threads for longer and longer.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from . import DeviceError, run_in_thread
 INLINE_MAX = 64 << 10   # reads up to this size may be done on the event loop
 SLOW_INLINE = 0.0005    # a device whose inline reads average more than this (busy or
 STALL = 0.02            # slow), or one of which took longer than this, ...
-SLOW_FOR = 10.0         # ... is read from threads only for this long
+SLOW_FOR = 10.0         # ... is read from threads for this long, doubled each time it
+SLOW_FOR_MAX = 3600.0   # happens again (a disk that keeps stalling), up to this
 INLINE = os.environ.get("BMFS_INLINE_READS", "1") != "0"
 
 
@@ -33,6 +37,7 @@ class LocalTransport:
         self._threaded = 0      # calls under way in worker threads
         self._slow: dict[int, float] = {}  # dev -> time until which reads use threads
         self._latency: dict[int, float] = {}  # dev -> smoothed inline read time
+        self._slowed: dict[int, int] = {}     # dev -> times it was found slow
         self._waiting = None    # poll() of the FUSE device: requests queued behind us
         self.stats = {"inline_reads": 0, "thread_reads": 0}
 
@@ -87,7 +92,8 @@ class LocalTransport:
             took = time.monotonic() - t0
             avg = self._latency[dev] = 0.9 * self._latency.get(dev, 0.0) + 0.1 * took
             if avg > SLOW_INLINE or took > STALL:
-                self._slow[dev] = t0 + took + SLOW_FOR
+                n = self._slowed[dev] = self._slowed.get(dev, 0) + 1
+                self._slow[dev] = t0 + took + min(SLOW_FOR * 2 ** (n - 1), SLOW_FOR_MAX)
                 self._latency[dev] = 0.0
         if check is not None:
             check(out)

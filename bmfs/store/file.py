@@ -115,11 +115,8 @@ class FileStore:
 
     def _write_padded(self, path: str, parts, total: int) -> bool:
         """A large fragment gathered into this thread's aligned buffer (warm memory, one
-        memcpy), zero-padded to whole pages and written with one O_DIRECT call, then cut
-        to its length. All of it direct: a tail written through the page cache would be
-        allocated later, elsewhere on the disk, and cost every cold read of the fragment
-        a second seek (reads were ~20% slower that way). False (nothing written) where
-        the filesystem refuses O_DIRECT; from then on writes are buffered."""
+        memcpy), zero-padded to whole pages and written with O_DIRECT (_write_direct).
+        False (nothing written) where the filesystem refuses O_DIRECT."""
         padded = -(-total // DIRECT_ALIGN) * DIRECT_ALIGN
         view = memoryview(_aligned_buffer(padded))
         try:
@@ -128,43 +125,64 @@ class FileStore:
                 view[pos:pos + len(p)] = p
                 pos += len(p)
             view[total:padded] = bytes(padded - total)
-            fd = self._open_direct(path)
-            if fd is None:
-                return False
-            try:
-                done = 0
-                while done < padded:
-                    done += os.pwrite(fd, view[done:padded], done)
-                if padded != total:
-                    os.ftruncate(fd, total)
-            finally:
-                os.close(fd)
-            return True
+            return self._write_direct(path, [view[:padded]], total)
         finally:
             view.release()
 
-    def write_aligned(self, name: str, buf) -> None:
-        """``write(name, [buf])`` for a buffer that starts on a page boundary: its whole
-        pages go to the device with O_DIRECT, the tail with a plain write. Copying a
-        fragment into the page cache costs a storage node more CPU than the rest of a
-        PUT, and the data must reach the device before the PUT is acknowledged anyway.
-        Falls back to ``write`` where O_DIRECT is refused."""
-        path = self._file(name)
+    def _write_direct(self, path: str, pages, total: int) -> bool:
+        """Write ``pages`` (page-aligned buffers of whole pages, in order, the last one
+        zero-padded) with O_DIRECT, then cut the file to ``total`` bytes. All of it
+        direct: a tail written through the page cache would be allocated later,
+        elsewhere on the disk, and cost every cold read of the fragment a second seek
+        (reads were ~20% slower that way). False (nothing written) where the filesystem
+        refuses O_DIRECT; from then on writes are buffered. A device that refuses the
+        alignment of a write gets the rest through the page cache."""
         fd = self._open_direct(path)
         if fd is None:
-            return self.write(name, [buf])
+            return False
         try:
-            done, whole = 0, len(buf) // DIRECT_ALIGN * DIRECT_ALIGN
-            try:
-                done = os.write(fd, buf[:whole]) if whole else 0
-            except OSError as e:
-                if e.errno != errno.EINVAL:  # EINVAL: not aligned for this device
-                    raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            while done < len(buf):
-                done += os.pwrite(fd, buf[done:], done)
+            pos = 0
+            for page in pages:
+                done = 0
+                while done < len(page):
+                    try:
+                        done += os.pwrite(fd, page[done:], pos + done)
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:  # EINVAL: not aligned for this device
+                            raise
+                        fcntl.fcntl(fd, fcntl.F_SETFL,
+                                    fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                pos += len(page)
+            if pos != total:
+                os.ftruncate(fd, total)
         finally:
             os.close(fd)
+        return True
+
+    def write_aligned(self, name: str, buf) -> None:
+        """``write(name, [buf])`` for a buffer that starts on a page boundary (a storage
+        node receives large PUTs into one): its whole pages go to the device with
+        O_DIRECT straight from it, the last partial page through a zero-padded page of
+        this thread's buffer. Copying a fragment into the page cache costs a storage
+        node more CPU than the rest of a PUT, and the data must reach the device before
+        the PUT is acknowledged anyway. Falls back to ``write`` where O_DIRECT is
+        refused."""
+        path = self._file(name)
+        whole = len(buf) // DIRECT_ALIGN * DIRECT_ALIGN
+        tail = len(buf) - whole
+        pages = [buf[:whole]] if whole else []
+        page = None
+        if tail:
+            page = memoryview(_aligned_buffer(DIRECT_ALIGN))[:DIRECT_ALIGN]
+            page[:tail] = buf[whole:]
+            page[tail:] = bytes(DIRECT_ALIGN - tail)
+            pages.append(page)
+        try:
+            if not self._write_direct(path, pages, len(buf)):
+                return self.write(name, [buf])
+        finally:
+            if page is not None:
+                page.release()
         with self._lock:
             self._pending.add(path)
 

@@ -8,9 +8,9 @@ small-file unlink touches ~8 pages: ~16 write calls and 32 KiB); the log record 
 one call of a few hundred bytes, and a batch shares the pages. Reads see the pending
 commits first, so nothing above can tell. Single-key reads then look in a cache of
 what SQLite holds for keys read or applied lately (``CACHE_KEYS``; absent keys too;
-values up to ``CACHE_VALUE_MAX`` bytes),
-exact because this process is the database's only writer: an unlink reads ~6 keys,
-most of them just written or read by the operations before it.
+values up to ``CACHE_VALUE_MAX`` bytes), exact because this process is the
+database's only writer: an unlink reads ~6 keys, most of them just written or read
+by the operations before it.
 
 Durability, as before: a commit survives a crash of the process as soon as it
 returns (its record is in the page cache), and :meth:`sync`, which fsync(2)/fsyncdir

@@ -109,8 +109,8 @@ class SliceMap:
     """A chunk's slice list, for reads: ``pieces(start, end)`` is ``visible(slices,
     start, end)``. A list in offset order without overlaps (a file written front to
     back, or compacted: the usual case) is searched by bisection instead of painted
-    from its newest slice down; a 4 KiB read of a 64 MiB chunk of 16 stripes then
-    costs ~1 us, not ~14."""
+    from its newest slice down: for a 4 KiB read of a 64 MiB chunk of 16 stripes,
+    ~5 us instead of ~14 (under cProfile)."""
     __slots__ = ("slices", "starts")
 
     def __init__(self, slices: list[Slice]):

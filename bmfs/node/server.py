@@ -34,7 +34,7 @@ from .protocol import (ALIGNED, BlockingConnection, Connection, FileRange, Proto
                        server_handshake)
 
 log = logging.getLogger(__name__)
-Req = pb.Request  # its enum values as class attributes: Op.X costs ~1 us a lookup
+Req = pb.Request  # its enum values as class attributes: pb.Request.Op.X costs ~1 us a lookup
 MAX_CONNECTIONS = 256     # served at once (a thread each); more wait for a slot
 HANDSHAKE_BUFFER = 4096   # the event loop only receives the handshake
 SENDFILE_MIN = 64 << 10   # larger READs are sent from the file with sendfile(2)

@@ -53,3 +53,59 @@ def test_node_put_from_an_aligned_buffer_holds_exactly_the_bytes(tmp_path, total
     # from an unaligned buffer, which O_DIRECT refuses: through the page cache
     assert st.read(name, 0, 1 << 30) == data[:5000]
     st.sync()
+
+
+def _cached_pages(path) -> int:
+    """How many of the file's pages are in the page cache (mincore(2))."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        assert addr not in (None, ctypes.c_void_p(-1).value)
+        vec = (ctypes.c_ubyte * ((size + 4095) // 4096))()
+        try:
+            assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+        finally:
+            libc.munmap(addr, size)
+        return sum(v & 1 for v in vec)
+    finally:
+        os.close(fd)
+
+
+def test_mount_reads_leave_large_reads_out_of_the_page_cache(tmp_path):
+    """Read by the mount (the local transport), a large read's pages are dropped from
+    the page cache once read: the mount's page cache holds those bytes now, a second
+    copy would double the memory a file takes. Small reads keep theirs, and a storage
+    node's store (no local transport) keeps its cache for other clients."""
+    import trio
+    from bmfs.transport.local import LocalTransport
+    u = str(uuid.uuid4())
+    FileStore.format(str(tmp_path), u, 0)
+    st = FileStore(str(tmp_path), u, 0)
+    data = random.Random(7).randbytes((1 << 20) + 1140)
+    name = "%016x.%d" % (0x123, 0)
+    st.write(name, [data])
+    path = st._file(name)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # not cached by the write either
+    os.close(fd)
+    node_view = st.read_parts(name, [(0, len(data))])  # as a node reads: kept
+    assert node_view == [data]
+    assert _cached_pages(path) >= len(data) // 4096
+    transport = LocalTransport({0: st})
+
+    async def read(ranges):
+        return await transport.read(0, name, ranges)
+    got = trio.run(read, [(0, 4096), (4096, len(data) - 4096)])
+    assert b"".join(bytes(p) for p in got) == data
+    assert _cached_pages(path) <= 1  # at most the partial last page
+    got = trio.run(read, [(8192, 8192)])  # a small read: kept (random readers reuse it)
+    assert bytes(got[0]) == data[8192:16384]
+    assert _cached_pages(path) >= 2

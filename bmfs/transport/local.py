@@ -33,6 +33,9 @@ INLINE = os.environ.get("BMFS_INLINE_READS", "1") != "0"
 class LocalTransport:
     def __init__(self, stores: dict, threads: int = 12):
         self.stores = stores  # dev id -> store (or an exception saying why it is absent)
+        for store in stores.values():
+            if hasattr(store, "drop_behind"):
+                store.drop_behind = True  # large reads land in the mount's page cache
         self._limiter = trio.CapacityLimiter(threads)
         self._threaded = 0      # calls under way in worker threads
         self._slow: dict[int, float] = {}  # dev -> time until which reads use threads

@@ -140,6 +140,21 @@ def test_batches_are_applied_as_commits_go_on(tmp_path, monkeypatch):
     trio.run(main)
 
 
+async def _commit_random(kv, rng, model, chosen, step, big):
+    """One commit putting or (30%) deleting each key of ``chosen``, in ``model`` too;
+    a share ``big`` of the values are too large to be cached (inline file data)."""
+    t = kv.begin()
+    for k in chosen:
+        if rng.random() < 0.3:
+            t.delete(k)
+            model.pop(k, None)
+        else:
+            v = b"%d" % step * (300 if rng.random() < big else 1)
+            t.put(k, v)
+            model[k] = v
+    await kv.commit(t)
+
+
 def test_read_cache_follows_commits_and_batches(tmp_path, monkeypatch):
     """Single-key reads come from a cache of what SQLite holds (read or applied
     lately, values up to CACHE_VALUE_MAX bytes): every get must still equal a model
@@ -170,16 +185,7 @@ def test_read_cache_follows_commits_and_batches(tmp_path, monkeypatch):
     async def main():
         kv = await open_kv(f"sqlite:{tmp_path}/meta.db")
         for step in range(300):
-            t = kv.begin()
-            for k in rng.sample(keys, 3):
-                if rng.random() < 0.3:
-                    t.delete(k)
-                    model.pop(k, None)
-                else:  # some values too large to be cached (inline file data)
-                    v = b"%d" % step * (300 if rng.random() < 0.2 else 1)
-                    t.put(k, v)
-                    model[k] = v
-            await kv.commit(t)
+            await _commit_random(kv, rng, model, rng.sample(keys, 3), step, 0.2)
             if step % 25 == 0:
                 await check(kv)
         assert 0 < len(kv._cache) <= 40
@@ -249,5 +255,61 @@ def test_a_failed_batch_does_not_fail_the_commit(tmp_path, monkeypatch):
         kv._apply = real
         await kv.sync()
         assert kv._db.execute("SELECT count(*) FROM kv").fetchone()[0] == 6
+        await kv.aclose()
+    trio.run(main)
+
+
+def test_complete_prefixes_follow_commits_and_answer_from_memory(tmp_path, monkeypatch):
+    """Prefixes declared empty (``known_empty``, as for a new inode's keys) are
+    answered from memory afterwards, gets and whole-prefix ranges alike: they must
+    equal a model through puts, deletes, large values (not cached: read from SQLite
+    instead), batches applied, the cache and the prefix set trimmed, and a reopen;
+    and a whole-prefix range of a new prefix runs no SQL at all."""
+    import random
+    monkeypatch.setattr(engine, "APPLY_KEYS", 16)
+    monkeypatch.setattr(engine, "CACHE_KEYS", 60)
+    monkeypatch.setattr(engine, "COMPLETE_PREFIXES", 12)
+    rng = random.Random(11)
+    model: dict = {}
+    prefixes: list[bytes] = []
+
+    def under(p):
+        return {k: v for k, v in model.items() if k.startswith(p)}
+
+    async def check(kv):
+        for p in rng.sample(prefixes, min(len(prefixes), 8)):
+            want = sorted(under(p).items())
+            assert await kv.range(p, p + b"\xff") == want, p  # (not the prefix's end)
+            from bmfs.kv import prefix_end
+            assert await kv.range(p, prefix_end(p)) == want, p
+            assert await kv.range(p, prefix_end(p), limit=2) == want[:2], p
+            for k in [p + b"%d" % i for i in range(4)]:
+                assert await kv.get(k) == model.get(k), k
+
+    async def main():
+        kv = await open_kv(f"sqlite:{tmp_path}/meta.db")
+        statements = []
+        kv._db.set_trace_callback(statements.append)
+        for step in range(400):
+            if step % 10 == 0:  # a new inode: its prefixes are empty
+                p = b"n/%04d/" % step
+                prefixes.append(p)
+                kv.known_empty([p])
+                if step == 0:
+                    statements.clear()
+                    assert await kv.range(p, p[:-1] + b"0") == []
+                    assert await kv.get(p + b"0") is None
+                    assert statements == [], statements
+            chosen = [rng.choice(prefixes) + b"%d" % rng.randrange(4) for _ in range(3)]
+            await _commit_random(kv, rng, model, chosen, step, 0.1)
+            if step % 20 == 0:
+                await check(kv)
+        assert len(kv._complete) <= 12
+        await kv.sync()
+        await check(kv)
+        await kv.aclose()
+        kv = await open_kv(f"sqlite:{tmp_path}/meta.db")  # nothing known: all from SQLite
+        assert not kv._complete
+        await check(kv)
         await kv.aclose()
     trio.run(main)

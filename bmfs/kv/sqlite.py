@@ -10,7 +10,11 @@ commits first, so nothing above can tell. Single-key reads then look in a cache 
 what SQLite holds for keys read or applied lately (``CACHE_KEYS``; absent keys too;
 values up to ``CACHE_VALUE_MAX`` bytes), exact because this process is the
 database's only writer: an unlink reads ~6 keys, most of them just written or read
-by the operations before it.
+by the operations before it. Range reads of a prefix the layer above said was empty
+when it allocated an inode number (``known_empty``: its chunks, xattrs, ...) are
+answered from memory too: the engine keeps the keys written under such a prefix
+since (``COMPLETE_PREFIXES`` of them), so unlinking a file made by this mount scans
+neither its chunks nor its xattrs in SQLite.
 
 Durability, as before: a commit survives a crash of the process as soon as it
 returns (its record is in the page cache), and :meth:`sync`, which fsync(2)/fsyncdir
@@ -40,12 +44,13 @@ import struct
 from crc32c import crc32c
 
 from ..errors import Conflict, VolumeError
-from . import KV, merge_rows
+from . import KV, merge_rows, prefix_end
 
 log = logging.getLogger(__name__)
 APPLY_KEYS = 4096  # pending keys that make the next commit apply the batch to SQLite
 CACHE_KEYS = 65536  # values (and absences) of keys read or written lately, kept in memory
 CACHE_VALUE_MAX = 1024  # larger values (inline file data) are not kept: at most ~64 MiB
+COMPLETE_PREFIXES = 100_000  # prefixes whose every key is known (oldest half dropped)
 LOG_MAX = 64 << 20  # a redo log this large is cut back (apply, fsync the WAL) at once
 _REC = struct.Struct("<II")  # record: body length, crc32c of the body; body follows
 _BODY = struct.Struct("<QI")  # body: revision, number of entries; entries follow
@@ -90,6 +95,11 @@ def _records(buf: bytes):
         pos += _REC.size + n
 
 
+def _holds(keys: list[bytes], key: bytes) -> bool:
+    i = bisect.bisect_left(keys, key)
+    return i < len(keys) and keys[i] == key
+
+
 class SqliteKV(KV):
     single_writer = True  # one process owns the database (lock file)
 
@@ -107,6 +117,9 @@ class SqliteKV(KV):
         # key -> (value or None, revision) as SQLite has it, for keys read or applied
         # lately: exact, since nothing but this process writes the database
         self._cache: dict[bytes, tuple[bytes | None, int]] = {}
+        # prefix -> sorted keys that exist under it, every one (see known_empty)
+        self._complete: dict[bytes, list[bytes]] = {}
+        self._complete_lengths: set[int] = set()
         self._log = os.open(path + "-redo", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         self._log_size = 0
 
@@ -158,6 +171,10 @@ class SqliteKV(KV):
         if pending is not None:
             return pending if pending[0] is not None else (None, 0)
         got = self._cache.get(key)
+        if got is None and self._complete:
+            keys = self._complete_keys(key)
+            if keys is not None and not _holds(keys, key):
+                return (None, 0)
         if got is None:
             row = self._db.execute("SELECT v, rev FROM kv WHERE k=?", (key,)).fetchone()
             got = (row[0], row[1]) if row else (None, 0)
@@ -177,7 +194,41 @@ class SqliteKV(KV):
             for k in list(itertools.islice(cache, len(cache) - CACHE_KEYS * 3 // 4)):
                 del cache[k]
 
+    def known_empty(self, prefixes) -> None:
+        if len(self._complete) + len(prefixes) > COMPLETE_PREFIXES:
+            for p in list(itertools.islice(self._complete, COMPLETE_PREFIXES // 2)):
+                del self._complete[p]
+        for p in prefixes:
+            self._complete[p] = []
+            self._complete_lengths.add(len(p))
+
+    def _complete_keys(self, key: bytes) -> list[bytes] | None:
+        """The key list of the complete prefix ``key`` lies under, if any."""
+        for n in self._complete_lengths:
+            keys = self._complete.get(key[:n])
+            if keys is not None:
+                return keys
+        return None
+
+    def _from_complete(self, start, end, limit):
+        """A range read over a whole complete prefix, from memory; None if it is not
+        one, or a value is neither pending nor cached (a large one)."""
+        keys = self._complete.get(start)
+        if keys is None or end != prefix_end(start):
+            return None
+        rows = []
+        for k in keys[:limit] if limit else keys:
+            got = self._pending.get(k) or self._cache.get(k)
+            if got is None or got[0] is None:
+                return None
+            rows.append((k, got[0], got[1]))
+        return rows
+
     async def _range(self, start, end, limit):
+        if self._complete:
+            rows = self._from_complete(start, end, limit)
+            if rows is not None:
+                return rows
         keys = self._pending_keys
         lo = bisect.bisect_left(keys, start)
         hi = bisect.bisect_left(keys, end) if end else len(keys)
@@ -224,6 +275,15 @@ class SqliteKV(KV):
         if key not in self._pending:
             bisect.insort(self._pending_keys, key)
         self._pending[key] = (value, rev)
+        if self._complete:
+            keys = self._complete_keys(key)
+            if keys is not None:
+                i = bisect.bisect_left(keys, key)
+                there = i < len(keys) and keys[i] == key
+                if value is None and there:
+                    del keys[i]
+                elif value is not None and not there:
+                    keys.insert(i, key)
 
     def _apply(self) -> None:
         """Write the pending commits to SQLite in one transaction."""

@@ -70,6 +70,7 @@ class FileSystem:
         # names this mount in orphan records (o/) and, on etcd, in its leased m/ record
         self.mount_id = os.urandom(8).hex()
         self._heads: dict[str, tuple[int, int]] = {}  # branch -> (head, record revision)
+        self._parsed_heads: dict[str, tuple[bytes, int]] = {}  # branch -> (record, head)
 
     @classmethod
     async def create(cls, volume, branch: str = "main") -> "FileSystem":
@@ -125,7 +126,12 @@ class FileSystem:
                 raw = await txn.get(key)
                 if raw is None:
                     raise NotFound(f"branch {view.name!r} was deleted")
-                head = json.loads(raw)["head"]
+                parsed = self._parsed_heads.get(view.name)
+                if parsed is not None and parsed[0] == raw:
+                    head = parsed[1]  # the same record as last time: not parsed again
+                else:
+                    head = json.loads(raw)["head"]
+                    self._parsed_heads[view.name] = (raw, head)
                 self._heads[view.name] = (head, txn.reads[key])
             if head != view.chain.top:
                 view.chain = await self.views.chain_from(head, view.name)

@@ -157,13 +157,16 @@ async def _commit_random(kv, rng, model, chosen, step, big):
 
 def test_read_cache_follows_commits_and_batches(tmp_path, monkeypatch):
     """Single-key reads come from a cache of what SQLite holds (read or applied
-    lately, values up to CACHE_VALUE_MAX bytes): every get must still equal a model
-    through puts, deletes, values growing past the limit, batches applied, absent
-    keys read before they exist, the cache trimmed, and a reopen; a transaction's
-    compare sees the same revisions as SQLite's rows; no large value is kept."""
+    lately, values up to CACHE_VALUE_MAX bytes, CACHE_BYTES in all): every get must
+    still equal a model through puts, deletes, values growing past the limit,
+    batches applied, absent keys read before they exist, the cache trimmed (by keys
+    and by bytes), and a reopen; a transaction's compare sees the same revisions as
+    SQLite's rows; no large value is kept, and the bytes kept are counted right."""
     import random
     monkeypatch.setattr(engine, "APPLY_KEYS", 16)
     monkeypatch.setattr(engine, "CACHE_KEYS", 40)
+    monkeypatch.setattr(engine, "CACHE_VALUE_MAX", 600)
+    monkeypatch.setattr(engine, "CACHE_BYTES", 3000)
     rng = random.Random(5)
     keys = [b"c%03d" % i for i in range(120)]
     model: dict = {}
@@ -189,7 +192,8 @@ def test_read_cache_follows_commits_and_batches(tmp_path, monkeypatch):
             if step % 25 == 0:
                 await check(kv)
         assert 0 < len(kv._cache) <= 40
-        assert all(v is None or len(v) <= engine.CACHE_VALUE_MAX for v, _ in kv._cache.values())
+        assert all(v is None or len(v) <= 600 for v, _ in kv._cache.values())
+        assert kv._cache_bytes == sum(len(v) for v, _ in kv._cache.values() if v) <= 3000
         await check(kv)
         await kv.sync()
         await check(kv)

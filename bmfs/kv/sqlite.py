@@ -8,7 +8,8 @@ small-file unlink touches ~8 pages: ~16 write calls and 32 KiB); the log record 
 one call of a few hundred bytes, and a batch shares the pages. Reads see the pending
 commits first, so nothing above can tell. Single-key reads then look in a cache of
 what SQLite holds for keys read or applied lately (``CACHE_KEYS``; absent keys too;
-values up to ``CACHE_VALUE_MAX`` bytes), exact because this process is the
+values up to ``CACHE_VALUE_MAX`` bytes, ``CACHE_BYTES`` of them in all: a small
+file's inline data is one), exact because this process is the
 database's only writer: an unlink reads ~6 keys, most of them just written or read
 by the operations before it. Range reads of a prefix the layer above said was empty
 when it allocated an inode number (``known_empty``: its chunks, xattrs, ...) are
@@ -49,7 +50,8 @@ from . import KV, merge_rows, prefix_end
 log = logging.getLogger(__name__)
 APPLY_KEYS = 4096  # pending keys that make the next commit apply the batch to SQLite
 CACHE_KEYS = 65536  # values (and absences) of keys read or written lately, kept in memory
-CACHE_VALUE_MAX = 1024  # larger values (inline file data) are not kept: at most ~64 MiB
+CACHE_VALUE_MAX = 20 << 10  # larger values are not kept (inline stripes: up to 16 KiB)
+CACHE_BYTES = 64 << 20      # values kept, in all (the oldest quarter goes beyond)
 COMPLETE_PREFIXES = 100_000  # prefixes whose every key is known (oldest half dropped)
 LOG_MAX = 64 << 20  # a redo log this large is cut back (apply, fsync the WAL) at once
 _REC = struct.Struct("<II")  # record: body length, crc32c of the body; body follows
@@ -117,6 +119,7 @@ class SqliteKV(KV):
         # key -> (value or None, revision) as SQLite has it, for keys read or applied
         # lately: exact, since nothing but this process writes the database
         self._cache: dict[bytes, tuple[bytes | None, int]] = {}
+        self._cache_bytes = 0  # of the values in _cache
         # prefix -> sorted keys that exist under it, every one (see known_empty)
         self._complete: dict[bytes, list[bytes]] = {}
         self._complete_lengths: set[int] = set()
@@ -183,16 +186,26 @@ class SqliteKV(KV):
 
     def _keep(self, values: dict) -> None:
         """Remember values SQLite now holds (not those over CACHE_VALUE_MAX bytes, whose
-        keys are forgotten instead); past CACHE_KEYS, the oldest quarter goes."""
+        keys are forgotten instead); past CACHE_KEYS keys or CACHE_BYTES of values, the
+        oldest go, down to three quarters of both."""
         cache = self._cache
         for k, got in values.items():
-            if got[0] is not None and len(got[0]) > CACHE_VALUE_MAX:
-                cache.pop(k, None)
-            else:
+            old = cache.pop(k, None)  # (kept again at the end: the newest)
+            if old is not None and old[0] is not None:
+                self._cache_bytes -= len(old[0])
+            if got[0] is None:
                 cache[k] = got
-        if len(cache) > CACHE_KEYS:
-            for k in list(itertools.islice(cache, len(cache) - CACHE_KEYS * 3 // 4)):
-                del cache[k]
+            elif len(got[0]) <= CACHE_VALUE_MAX:
+                cache[k] = got
+                self._cache_bytes += len(got[0])
+        if len(cache) > CACHE_KEYS or self._cache_bytes > CACHE_BYTES:
+            keys_left, bytes_left = CACHE_KEYS * 3 // 4, CACHE_BYTES * 3 // 4
+            for k in list(cache):
+                if len(cache) <= keys_left and self._cache_bytes <= bytes_left:
+                    break
+                v = cache.pop(k)[0]
+                if v is not None:
+                    self._cache_bytes -= len(v)
 
     def known_empty(self, prefixes) -> None:
         if len(self._complete) + len(prefixes) > COMPLETE_PREFIXES:

@@ -273,6 +273,8 @@ def test_complete_prefixes_follow_commits_and_answer_from_memory(tmp_path, monke
     monkeypatch.setattr(engine, "APPLY_KEYS", 16)
     monkeypatch.setattr(engine, "CACHE_KEYS", 60)
     monkeypatch.setattr(engine, "COMPLETE_PREFIXES", 12)
+    monkeypatch.setattr(engine, "COMPLETE_KEYS", 30)
+    monkeypatch.setattr(engine, "COMPLETE_PREFIX_KEYS", 3)
     rng = random.Random(11)
     model: dict = {}
     prefixes: list[bytes] = []
@@ -295,10 +297,10 @@ def test_complete_prefixes_follow_commits_and_answer_from_memory(tmp_path, monke
         statements = []
         kv._db.set_trace_callback(statements.append)
         for step in range(400):
-            if step % 10 == 0:  # a new inode: its prefixes are empty
+            if step % 10 == 0:  # a new inode: its prefixes are empty (nested ones too)
                 p = b"n/%04d/" % step
-                prefixes.append(p)
-                kv.known_empty([p])
+                prefixes.extend([p, p + b"1"])
+                kv.known_empty([p, p + b"1"])
                 if step == 0:
                     statements.clear()
                     assert await kv.range(p, p[:-1] + b"0") == []
@@ -309,6 +311,8 @@ def test_complete_prefixes_follow_commits_and_answer_from_memory(tmp_path, monke
             if step % 20 == 0:
                 await check(kv)
         assert len(kv._complete) <= 12
+        assert kv._complete_count == sum(map(len, kv._complete.values())) <= 30
+        assert all(len(keys) <= 3 for keys in kv._complete.values())
         await kv.sync()
         await check(kv)
         await kv.aclose()

@@ -14,8 +14,9 @@ database's only writer: an unlink reads ~6 keys, most of them just written or re
 by the operations before it. Range reads of a prefix the layer above said was empty
 when it allocated an inode number (``known_empty``: its chunks, xattrs, ...) are
 answered from memory too: the engine keeps the keys written under such a prefix
-since (``COMPLETE_PREFIXES`` of them), so unlinking a file made by this mount scans
-neither its chunks nor its xattrs in SQLite.
+since (``COMPLETE_PREFIXES`` prefixes, ``COMPLETE_KEYS`` keys in all, a prefix with
+over ``COMPLETE_PREFIX_KEYS`` forgotten), so unlinking a file made by this mount
+scans neither its chunks nor its xattrs in SQLite.
 
 Durability, as before: a commit survives a crash of the process as soon as it
 returns (its record is in the page cache), and :meth:`sync`, which fsync(2)/fsyncdir
@@ -52,7 +53,9 @@ APPLY_KEYS = 4096  # pending keys that make the next commit apply the batch to S
 CACHE_KEYS = 65536  # values (and absences) of keys read or written lately, kept in memory
 CACHE_VALUE_MAX = 20 << 10  # larger values are not kept (inline stripes: up to 16 KiB)
 CACHE_BYTES = 64 << 20      # values kept, in all (the oldest quarter goes beyond)
-COMPLETE_PREFIXES = 100_000  # prefixes whose every key is known (oldest half dropped)
+COMPLETE_PREFIXES = 100_000  # prefixes whose every key is known, and keys listed under
+COMPLETE_KEYS = 200_000      # them in all: past either, the oldest prefixes go (to half)
+COMPLETE_PREFIX_KEYS = 4096  # a prefix with more keys is forgotten (a big directory)
 LOG_MAX = 64 << 20  # a redo log this large is cut back (apply, fsync the WAL) at once
 _REC = struct.Struct("<II")  # record: body length, crc32c of the body; body follows
 _BODY = struct.Struct("<QI")  # body: revision, number of entries; entries follow
@@ -123,6 +126,7 @@ class SqliteKV(KV):
         # prefix -> sorted keys that exist under it, every one (see known_empty)
         self._complete: dict[bytes, list[bytes]] = {}
         self._complete_lengths: set[int] = set()
+        self._complete_count = 0  # keys in the lists
         self._log = os.open(path + "-redo", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         self._log_size = 0
 
@@ -208,20 +212,47 @@ class SqliteKV(KV):
                     self._cache_bytes -= len(v)
 
     def known_empty(self, prefixes) -> None:
-        if len(self._complete) + len(prefixes) > COMPLETE_PREFIXES:
-            for p in list(itertools.islice(self._complete, COMPLETE_PREFIXES // 2)):
-                del self._complete[p]
         for p in prefixes:
+            self._complete_count -= len(self._complete.pop(p, ()))
             self._complete[p] = []
             self._complete_lengths.add(len(p))
+        if len(self._complete) > COMPLETE_PREFIXES:
+            self._forget_complete(len(self._complete) - COMPLETE_PREFIXES // 2)
+
+    def _forget_complete(self, n: int) -> None:
+        """Forget the ``n`` oldest complete prefixes."""
+        for p in list(itertools.islice(self._complete, n)):
+            self._complete_count -= len(self._complete.pop(p))
 
     def _complete_keys(self, key: bytes) -> list[bytes] | None:
-        """The key list of the complete prefix ``key`` lies under, if any."""
+        """The key list of a complete prefix ``key`` lies under, if any (each is exact,
+        nested ones too)."""
         for n in self._complete_lengths:
             keys = self._complete.get(key[:n])
             if keys is not None:
                 return keys
         return None
+
+    def _note_complete(self, key: bytes, present: bool) -> None:
+        """``key`` now exists (or not): update the list of every complete prefix it
+        lies under; one that grows past COMPLETE_PREFIX_KEYS is forgotten."""
+        for n in self._complete_lengths:
+            keys = self._complete.get(key[:n])
+            if keys is None:
+                continue
+            i = bisect.bisect_left(keys, key)
+            there = i < len(keys) and keys[i] == key
+            if there and not present:
+                del keys[i]
+                self._complete_count -= 1
+            elif present and not there:
+                keys.insert(i, key)
+                self._complete_count += 1
+                if len(keys) > COMPLETE_PREFIX_KEYS:
+                    del self._complete[key[:n]]
+                    self._complete_count -= len(keys)
+        if self._complete_count > COMPLETE_KEYS:
+            self._forget_complete(len(self._complete) // 2)
 
     def _from_complete(self, start, end, limit):
         """A range read over a whole complete prefix, from memory; None if it is not
@@ -289,14 +320,7 @@ class SqliteKV(KV):
             bisect.insort(self._pending_keys, key)
         self._pending[key] = (value, rev)
         if self._complete:
-            keys = self._complete_keys(key)
-            if keys is not None:
-                i = bisect.bisect_left(keys, key)
-                there = i < len(keys) and keys[i] == key
-                if value is None and there:
-                    del keys[i]
-                elif value is not None and not there:
-                    keys.insert(i, key)
+            self._note_complete(key, value is not None)
 
     def _apply(self) -> None:
         """Write the pending commits to SQLite in one transaction."""

@@ -125,6 +125,7 @@ class FileSystem:
             else:
                 raw = await txn.get(key)
                 if raw is None:
+                    self._parsed_heads.pop(view.name, None)
                     raise NotFound(f"branch {view.name!r} was deleted")
                 parsed = self._parsed_heads.get(view.name)
                 if parsed is not None and parsed[0] == raw:

@@ -133,9 +133,9 @@ class SlowStore(FileStore):
         return super().read_parts(name, ranges)
 
 
-def test_small_reads_inline_unless_others_wait_or_device_slow(tmp_path):
-    """A lone small read is served on the event loop; with requests queued on the
-    watched descriptor, or from a device that stalled, it goes to a worker thread.
+def test_small_reads_inline_unless_device_slow(tmp_path):
+    """A small read is served on the event loop (concurrent ones too, one after the
+    other); a large one, or one from a device that stalled, goes to a worker thread.
     Every path returns the same bytes."""
     stores = {}
     for d in range(6):
@@ -144,7 +144,6 @@ def test_small_reads_inline_unless_others_wait_or_device_slow(tmp_path):
     transport = LocalTransport(stores)
     client = DataClient(transport, list(stores), 4, 2, 1024)
     data = os.urandom(4 << 20)
-    r, w = os.pipe()
 
     async def main():
         st = await client.write_stripe(5, data)
@@ -156,29 +155,32 @@ def test_small_reads_inline_unless_others_wait_or_device_slow(tmp_path):
         assert await client.read(5, st, 0, 1 << 20) == data[:1 << 20]  # large: a thread
         assert stats["thread_reads"] == before["thread_reads"] + 1
 
-        transport.watch_requests(r)   # nothing queued: still inline
-        assert await client.read(5, st, 100, 50) == data[100:150]
-        assert stats["inline_reads"] == before["inline_reads"] + 2
-        os.write(w, b"x")             # a request waits behind this one: a thread
-        assert await client.read(5, st, 200, 50) == data[200:250]
-        assert stats["thread_reads"] == before["thread_reads"] + 2
-        os.read(r, 1)
+        out = {}
+
+        async def one(i):
+            out[i] = await client.read(5, st, 100 * i, 50)
+        async with trio.open_nursery() as nursery:  # several at once: each inline
+            for i in range(1, 3):
+                nursery.start_soon(one, i)
+        assert out == {i: data[100 * i:100 * i + 50] for i in range(1, 3)}
+        assert stats["inline_reads"] == before["inline_reads"] + 3
+        assert stats["thread_reads"] == before["thread_reads"] + 1
 
         dev = st.devices[0]
         stores[dev].delay = 0.03      # the device stalls once: threads from then on
         assert await client.read(5, st, 300, 50) == data[300:350]
-        assert stats["inline_reads"] == before["inline_reads"] + 3
+        assert stats["inline_reads"] == before["inline_reads"] + 4
         assert await client.read(5, st, 400, 50) == data[400:450]
-        assert stats["thread_reads"] == before["thread_reads"] + 3
+        assert stats["thread_reads"] == before["thread_reads"] + 2
         first = transport._slow[dev] - time.monotonic()
         transport._slow[dev] = 0.0    # its time out is over; it stalls again: twice as long
         assert await client.read(5, st, 500, 50) == data[500:550]
-        assert stats["inline_reads"] == before["inline_reads"] + 4
+        assert stats["inline_reads"] == before["inline_reads"] + 5
         assert transport._slow[dev] - time.monotonic() > 1.5 * first
         stores[dev].delay = 0.0
         other = st.devices[1]         # other devices are still read inline
         assert await client.read(5, st, (1 << 20) + 10, 50) == data[(1 << 20) + 10:(1 << 20) + 60]
-        assert stats["inline_reads"] == before["inline_reads"] + 5
+        assert stats["inline_reads"] == before["inline_reads"] + 6
         assert other != dev
 
         # a fragment gone from a device read inline: decoded from the others
@@ -186,8 +188,4 @@ def test_small_reads_inline_unless_others_wait_or_device_slow(tmp_path):
         client._tables.clear()
         assert await client.read(5, st, (1 << 20) + 10, 50) == data[(1 << 20) + 10:(1 << 20) + 60]
         assert client.stats["degraded_reads"] >= 1
-    try:
-        trio.run(main)
-    finally:
-        os.close(r)
-        os.close(w)
+    trio.run(main)

@@ -330,3 +330,162 @@ def test_reads_see_data_still_being_stored_in_the_background(tmp_path):
         await fs.files.release(fh)
         assert await read_file(fs, a.ino) == b"".join(blocks)
     run(t, tmp_path)
+
+
+# -- merges that must leave a tree fsck accepts (found by a randomized review test) -------
+async def _branch(fs, name):
+    """Branch ``name`` of main; returns its root as seen through this mount."""
+    await br.op_branch_create(fs.kv, name)
+    await fs.views.refresh()
+    return (await fs.views.add("branch", name)).id << 48 | ROOT
+
+
+async def _names(fs, d):
+    return sorted(n for n, _ in await fs.readdir(d))
+
+
+def test_merge_counts_links_from_the_merged_entries(tmp_path):
+    """Link counts follow the merged entries: hard links added on both sides merge (was a
+    conflict, and with --theirs nlink 2 for 3 names), and subdirectories removed on both
+    sides leave nlink 2 (was 2 + (2 - 5) = -1: struct.error inside the merge)."""
+    async def t(fs):
+        f = await write_file(fs, ROOT, b"f", b"data")
+        d = await fs.mkdir(ROOT, b"d", 0o755, 0, 0)
+        for n in (b"a", b"b", b"c"):
+            await fs.mkdir(d.ino, n, 0o755, 0, 0)
+        xr = await _branch(fs, "x")
+        xd = (await fs.lookup(xr, b"d")).ino
+        await fs.link((await fs.lookup(xr, b"f")).ino, xr, b"g")
+        await fs.link(f, ROOT, b"h")
+        for n in (b"a", b"b", b"c"):
+            await fs.rmdir(xd, n)
+            await fs.rmdir(d.ino, n)
+        await write_file(fs, d.ino, b"new", b"")
+        r = await br.op_merge(fs.kv, "x", "main")
+        assert r["result"] == "merged" and r["conflicts_resolved"] == 0
+        await fs.views.refresh()
+        assert await _names(fs, ROOT) == [b"d", b"f", b"g", b"h"]
+        assert (await fs.getattr(f)).nlink == 3
+        assert (await fs.getattr(d.ino)).nlink == 2
+        assert await _names(fs, d.ino) == [b"new"]
+    run(t, tmp_path)
+
+
+def test_merge_removes_a_file_both_sides_unlinked(tmp_path):
+    """Each side removes one of a file's two names: the file goes (was a conflict, and
+    with --theirs an inode with nlink 1 and no name)."""
+    async def t(fs):
+        f = await write_file(fs, ROOT, b"f", b"data")
+        await fs.link(f, ROOT, b"g")
+        xr = await _branch(fs, "x")
+        await fs.unlink(xr, b"f")
+        await fs.unlink(ROOT, b"g")
+        r = await br.op_merge(fs.kv, "x", "main")
+        assert r["result"] == "merged"
+        await fs.views.refresh()
+        assert await _names(fs, ROOT) == []
+    run(t, tmp_path)
+
+
+def test_merge_additions_keep_what_the_other_side_deleted(tmp_path):
+    """A directory deleted on one side and filled on the other, or a file deleted on one
+    side and given a new name on the other, is a conflict; either strategy keeps it, with
+    what was added (was: entries in a missing directory, entries to a missing inode)."""
+    async def t(fs):
+        d = await fs.mkdir(ROOT, b"d", 0o755, 0, 0)
+        await write_file(fs, d.ino, b"old", b"o")
+        f = await write_file(fs, ROOT, b"f", b"data")
+        xr = await _branch(fs, "x")
+        await fs.unlink((await fs.lookup(xr, b"d")).ino, b"old")
+        await fs.rmdir(xr, b"d")
+        await fs.unlink(xr, b"f")
+        await write_file(fs, d.ino, b"new", b"n")
+        await fs.link(f, d.ino, b"g")
+        with pytest.raises(br.MergeConflict) as e:
+            await br.op_merge(fs.kv, "x", "main")
+        assert "/d" in e.value.paths
+        await br.op_snapshot_create(fs.kv, "before")
+        for strategy in ("theirs", "ours"):
+            r = await br.op_merge(fs.kv, "x", "main", strategy=strategy)
+            assert r["result"] == "merged"
+            await fs.views.refresh()
+            assert await _names(fs, ROOT) == [b"d"]
+            d2 = (await fs.lookup(ROOT, b"d")).ino
+            assert await _names(fs, d2) == [b"g", b"new"]
+            assert await read_file(fs, (await fs.lookup(d2, b"g")).ino) == b"data"
+            assert (await fs.getattr(d2)).nlink == 2
+            await br.op_branch_reset(fs.kv, "main", "before")
+            await fs.views.refresh()
+    run(t, tmp_path)
+
+
+def test_merge_directory_moved_apart_on_both_sides(tmp_path):
+    """A directory moved to two places, or two moves that put directories inside each
+    other, is a conflict; a strategy takes the winning side's place (was: a directory
+    with two names and a wrong parent, or a cycle cut off from the root)."""
+    async def t(fs):
+        for n in (b"a", b"b", b"p", b"q"):
+            await fs.mkdir(ROOT, n, 0o755, 0, 0)
+        xr = await _branch(fs, "x")
+        await fs.rename(xr, b"a", (await fs.lookup(xr, b"p")).ino, b"a")
+        await fs.rename(ROOT, b"a", (await fs.lookup(ROOT, b"q")).ino, b"a")
+        with pytest.raises(br.MergeConflict) as e:
+            await br.op_merge(fs.kv, "x", "main")
+        assert e.value.paths == ["/p/a", "/q/a"]
+        await br.op_merge(fs.kv, "x", "main", strategy="theirs")
+        await fs.views.refresh()
+        p, q = (await fs.lookup(ROOT, b"p")).ino, (await fs.lookup(ROOT, b"q")).ino
+        assert (await _names(fs, p), await _names(fs, q)) == ([b"a"], [])
+        assert (await fs.getattr(q)).nlink == 2 and (await fs.getattr(p)).nlink == 3
+        # a cycle: x moves b into p/a, main moves a into b
+        xa = (await fs.lookup((await fs.lookup(xr, b"p")).ino, b"a")).ino
+        await fs.rename(xr, b"b", xa, b"b")
+        await fs.rename(p, b"a", (await fs.lookup(ROOT, b"b")).ino, b"a")
+        with pytest.raises(br.MergeConflict):
+            await br.op_merge(fs.kv, "x", "main")
+        await br.op_merge(fs.kv, "x", "main", strategy="ours")
+        await fs.views.refresh()
+        b = (await fs.lookup(ROOT, b"b")).ino
+        assert await _names(fs, ROOT) == [b"b", b"p", b"q"] and await _names(fs, b) == [b"a"]
+    run(t, tmp_path)
+
+
+def test_random_merges_leave_trees_fsck_accepts(tmp_path):
+    """Seeded random namespace changes on main and a branch (files, directories, hard
+    links, renames, removals), merged each round with a random strategy: every merge
+    either succeeds or refuses with MergeConflict; fsck ends the test."""
+    import random
+    rng = random.Random(7)
+
+    async def step(fs, root):
+        dirs = [root] + [a.ino for _, a in await fs.readdir(root) if a.mode & 0o40000]
+        d = rng.choice(dirs)
+        ents = await fs.readdir(d)
+        name, op = b"n%d" % rng.randrange(8), rng.random()
+        try:
+            if op < 0.25:
+                await write_file(fs, d, name, b"x" * rng.randrange(50))
+            elif op < 0.4:
+                await fs.mkdir(d, name, 0o755, 0, 0)
+            elif ents and op < 0.55:
+                await fs.link(rng.choice(ents)[1].ino, rng.choice(dirs), name)
+            elif ents and op < 0.8:
+                await fs.rename(d, rng.choice(ents)[0], rng.choice(dirs), name)
+            elif ents:
+                n, a = rng.choice(ents)
+                await (fs.rmdir if a.mode & 0o40000 else fs.unlink)(d, n)
+        except FsError:
+            pass
+
+    async def t(fs):
+        for r in range(30):
+            xr = await _branch(fs, "x%d" % r)
+            for _ in range(rng.randrange(4, 12)):
+                await step(fs, rng.choice([ROOT, xr]))
+            try:
+                await br.op_merge(fs.kv, "x%d" % r, "main",
+                                  strategy=rng.choice([None, "theirs", "ours"]))
+            except br.MergeConflict:
+                pass
+            await fs.views.refresh()
+    run(t, tmp_path)

@@ -10,21 +10,24 @@ queues stripes nothing else references for garbage collection).
 Merges: fast-forward when the target has not changed since the trees forked (the
 target moves onto the source's state, O(1)); otherwise three-way over the keys either
 side changed since the fork, at file and directory level. A key changed on both sides
-to different values is a conflict, except directory attributes (merged: newest
-times, link counts adjusted by the source's change). Conflicts are listed by path and
+to different values is a conflict, except inode attributes changed apart (newest
+times; link counts and a directory's parent are recomputed from the merged entries).
+The merged namespace is then made whole (``_Merge``). Conflicts are listed by path and
 nothing changes unless a strategy (``theirs``/``ours``) says which side wins.
 """
 from __future__ import annotations
 
 import json
 import re
+import stat
 import time
+from collections import Counter
 
 from ..errors import Busy, Exists, FsError, Invalid, NotFound, Perm
 from ..kv import prefix_end
 from . import keys
-from .layers import Chain, lget, lput, ldel
-from .namespace import adjust_refs, put_chunk
+from .layers import Chain, lget, lput, ldel, lscan
+from .namespace import ROOT, adjust_refs, put_chunk
 from .records import Inode, unpack_dentry, unpack_slices
 
 TOUCHED = "_touched"  # result key: (branch, SUBs whose visible value changed); not sent
@@ -35,11 +38,11 @@ class MergeConflict(FsError):
     """A three-way merge found paths changed differently on both sides."""
     errno = 17
 
-    def __init__(self, paths):
+    def __init__(self, paths, hint: str = "use --theirs or --ours"):
         self.paths = paths
         super().__init__("merge conflicts in: " + ", ".join(paths[:20]) +
                          (f" and {len(paths) - 20} more" if len(paths) > 20 else "") +
-                         "; nothing was changed (use --theirs or --ours)")
+                         f"; nothing was changed ({hint})")
 
 
 def validate_name(kind: str, name) -> str:
@@ -351,6 +354,288 @@ async def op_diff(kv, a: str, b: str) -> dict:
     return {"added": dec(added), "removed": dec(removed), "changed": dec(changed)}
 
 
+# Inode fields in a three-way merge. nlink and a directory's parent are not merged: they
+# follow from the merged entries. A name or xattr change moves ctime, so times take the
+# newest (a directory's mtime too: entries added on both sides); any other field, and a
+# file's mtime (its content), changed differently on both sides is a conflict.
+_OWN_FIELDS = ("mode", "uid", "gid", "size", "rdev", "mtime_ns")
+_NEWEST_FIELDS = ("atime_ns", "ctime_ns")
+
+
+def _merge_inode(s: Inode, b: Inode, t: Inode) -> tuple[Inode, list[str]]:
+    """The target's inode with the source's changes; and the fields both changed."""
+    out, clash = t.copy(), []
+    for f in _OWN_FIELDS + _NEWEST_FIELDS:
+        sv, bv, tv = getattr(s, f), getattr(b, f), getattr(t, f)
+        if sv == bv or sv == tv:
+            continue
+        if tv == bv:
+            setattr(out, f, sv)
+        elif f in _NEWEST_FIELDS or (f == "mtime_ns" and t.is_dir()):
+            setattr(out, f, max(sv, tv))
+        else:
+            clash.append(f)
+    return out, clash
+
+
+class _Merge:
+    """One three-way merge in one transaction: ``plan`` maps every SUB whose merged value
+    differs from the target's to that value (None: deleted).
+
+    Keys are merged one by one (``by_key``), then the namespace is made whole again
+    (``settle``), because a key-wise merge of two valid trees need not be one: entries
+    and inodes change apart, and link counts and a directory's parent depend on entries
+    of both sides. An entry added on one side keeps its inode, and the directory it is
+    in, alive even if the other side deleted them (restored from that side whole, data
+    included); an inode left without a name is deleted, unless it was in conflict and
+    the winning side keeps it (then its names there come back). A directory given two
+    places, or moved into itself through moves on both sides, is a conflict: the winning
+    side's entries for it are taken, or without a strategy nothing changes.
+    """
+
+    def __init__(self, txn, kv, cs: Chain, base: Chain, ct: Chain, strategy, dsubs):
+        self.txn, self.kv, self.cs, self.base, self.ct = txn, kv, cs, base, ct
+        self.strategy = strategy
+        self.dsubs = dsubs  # entries changed on either side since the fork
+        self.plan: dict[bytes, bytes | None] = {}
+        self.conflicts: set[bytes] = set()
+        self.resolved = 0
+        self._vals: dict[tuple[int, bytes], bytes | None] = {}
+
+    async def val(self, chain: Chain, sub: bytes) -> bytes | None:
+        k = (chain.top, sub)
+        if k not in self._vals:
+            self._vals[k] = await lget(self.txn, chain, sub)
+        return self._vals[k]
+
+    async def mval(self, sub: bytes) -> bytes | None:
+        """The merged value."""
+        return self.plan[sub] if sub in self.plan else await self.val(self.ct, sub)
+
+    async def take(self, sub: bytes, value: bytes | None) -> None:
+        if value == await self.val(self.ct, sub):
+            self.plan.pop(sub, None)
+        else:
+            self.plan[sub] = value
+
+    @property
+    def winner(self) -> Chain | None:
+        return {"theirs": self.cs, "ours": self.ct}.get(self.strategy)
+
+    async def by_key(self, subs) -> None:
+        for sub in subs:
+            sv, bv, tv = (await self.val(self.cs, sub), await lget(self.txn, self.base, sub),
+                          await self.val(self.ct, sub))
+            if sv == bv or sv == tv:
+                continue
+            if tv == bv:
+                self.plan[sub] = sv
+                continue
+            if sub.startswith(b"i/") and sv and tv and bv:
+                si = Inode.unpack(sv)
+                merged, clash = _merge_inode(si, Inode.unpack(bv), Inode.unpack(tv))
+                if clash:
+                    self.conflicts.add(sub)
+                    for f in clash if self.strategy == "theirs" else ():
+                        setattr(merged, f, getattr(si, f))
+                await self.take(sub, merged.pack())
+                continue
+            self.conflicts.add(sub)
+            if self.strategy == "theirs":
+                self.plan[sub] = sv
+        if self.conflicts and self.strategy is None:
+            await self.refuse(self.conflicts)
+        self.resolved = len(self.conflicts)
+
+    async def refuse(self, subs, hint: str = "use --theirs or --ours"):
+        pt, ps = _Paths(self.kv, self.ct), _Paths(self.kv, self.cs)
+        paths = set()
+        for sub in subs:
+            p = await pt.of_sub(self.txn, sub)
+            if p.startswith((b"?", b"<")):
+                p = await ps.of_sub(self.txn, sub)
+            paths.add(p.decode(errors="surrogateescape"))
+        raise MergeConflict(sorted(paths), hint)
+
+    async def settle(self) -> None:
+        for _ in range(2 * len(self.dsubs) + 8):
+            if not await self._round():
+                return
+        await self.refuse(self.dsubs[:20], "the merge did not settle; merge by hand")
+
+    async def _round(self) -> bool:
+        """Find one thing to repair and repair it (True), or set the derived fields."""
+        ents = [(sub, v) for sub, v in self.plan.items() if sub.startswith(b"d/")]
+        if await self._keep_needed(ents):
+            return True
+        names, subdirs, placed = await self._count(ents)
+        inos = set(names) | set(subdirs) | {int(s[2:18], 16) for s in self.plan
+                                             if s[:2] in (b"i/", b"c/", b"x/", b"l/")}
+        fixed, clashes = {}, []
+        for ino in sorted(inos):
+            mv, tv = await self.mval(keys.inode(ino)), await self.val(self.ct, keys.inode(ino))
+            ti = Inode.unpack(tv) if tv else None
+            if mv is None:
+                named = (ti.nlink if not ti.is_dir() else ino != ROOT) + names[ino] > 0 \
+                    if ti is not None else False
+                if named or ti is not None and ti.is_dir() and not await self._empty(ino):
+                    await self._restore(ino, self.ct)  # names or entries of the target use it
+                    return True
+                if await self._set_keys(ino):  # keys left of an inode the merge deletes
+                    return True
+                continue
+            mi = Inode.unpack(mv)
+            sv = await self.val(self.cs, keys.inode(ino))
+            side = self.ct if sv is None else self.cs
+            if (sv is None) != (ti is None) and await self._set_keys(ino, side):
+                return True  # one side deleted it, the merge keeps it: whole, data too
+            if mi.is_dir():
+                n = (ti is not None and ino != ROOT) + names[ino]
+                mi.nlink = (ti.nlink if ti else 2) + subdirs[ino]
+                mi.parent = placed.get(ino, ti.parent if ti else 0)
+            else:
+                n = mi.nlink = (ti.nlink if ti else 0) + names[ino]
+            if n == 0 and ino != ROOT and not (ti and ti.nlink == 0 and not names[ino]):
+                # no name left (an inode the target holds open unlinked stays so)
+                win = self.winner
+                if win is not None and await self.val(win, keys.inode(ino)) is not None and \
+                        await self._in_conflict(ino):
+                    await self._restore(ino, win, names=True)
+                elif not mi.is_dir() or await self._empty(ino):
+                    await self._set_keys(ino)
+                else:
+                    await self.refuse([keys.inode(ino)], "cannot be merged automatically")
+                return True
+            if mi.is_dir() and n > 1:
+                clashes.append(ino)
+            fixed[ino] = mi
+        if not clashes:
+            clashes = await self._cycle(fixed, placed)
+        if clashes:  # a directory in two places, or in itself
+            if self.winner is None:
+                await self.refuse([s for s in self.dsubs for ino in clashes
+                                   if await self._names(s, ino)])
+            for ino in clashes:
+                for s in self.dsubs:
+                    if await self._names(s, ino):
+                        await self.take(s, await self.val(self.winner, s))
+            self.resolved += 1
+            return True
+        for ino, mi in fixed.items():
+            await self.take(keys.inode(ino), mi.pack())
+        return False
+
+    async def _keep_needed(self, ents) -> bool:
+        """An entry needs its directory and its inode: restore one the merge deleted."""
+        for sub, v in ents:
+            if v is None:
+                continue
+            for ino in (int(sub[2:18], 16), unpack_dentry(v)[0]):
+                if await self.mval(keys.inode(ino)) is None:
+                    side = self.cs if v == await self.val(self.cs, sub) else self.ct
+                    if await self.val(side, keys.inode(ino)) is None:
+                        side = self.ct if side is self.cs else self.cs
+                    await self._restore(ino, side)
+                    return True
+        return False
+
+    async def _count(self, ents):
+        """Names and subdirectories gained (lost: negative) against the target, and the
+        directory each moved directory is in now."""
+        names, subdirs, placed = Counter(), Counter(), {}
+        for sub, v in ents:
+            parent = int(sub[2:18], 16)
+            for val, sign in ((await self.val(self.ct, sub), -1), (v, 1)):
+                if val is not None:
+                    ino, fmt = unpack_dentry(val)
+                    names[ino] += sign
+                    if stat.S_ISDIR(fmt):
+                        subdirs[parent] += sign
+                        if sign > 0:
+                            placed[ino] = parent
+        return names, subdirs, placed
+
+    async def _cycle(self, fixed, placed) -> list[int]:
+        """Directories the merge moved that no longer lead up to the root."""
+        for ino in placed:
+            seen, cur = [ino], ino
+            while cur != ROOT:
+                if cur in fixed:
+                    cur = fixed[cur].parent
+                else:
+                    v = await self.mval(keys.inode(cur))
+                    cur = Inode.unpack(v).parent if v else 0
+                if cur in seen or not cur or len(seen) > 100000:
+                    return [d for d in seen if d in placed]
+                seen.append(cur)
+        return []
+
+    async def _names(self, sub: bytes, ino: int) -> bool:
+        """Whether entry ``sub`` names ``ino`` in the merge or on the winning side."""
+        vals = [await self.mval(sub)]
+        if self.winner is not None:
+            vals.append(await self.val(self.winner, sub))
+        return any(v is not None and unpack_dentry(v)[0] == ino for v in vals)
+
+    async def _in_conflict(self, ino: int) -> bool:
+        """Whether a conflicting key is one of the inode's, or an entry naming it."""
+        for sub in self.conflicts:
+            if not sub.startswith(b"d/"):
+                if sub[2:18] == b"%016x" % ino:
+                    return True
+                continue
+            for chain in (self.cs, self.ct):
+                v = await self.val(chain, sub)
+                if v is not None and unpack_dentry(v)[0] == ino:
+                    return True
+        return False
+
+    async def _subs_of(self, ino: int) -> set[bytes]:
+        """The SUBs of an inode on either side and in the plan (entries not included)."""
+        out = {keys.inode(ino), keys.symlink(ino)}
+        for chain in (self.cs, self.ct):
+            for prefix in (keys.chunk_prefix(ino), keys.xattr_prefix(ino)):
+                out.update(sub for sub, _ in await lscan(self.txn, chain, prefix))
+        out.update(s for s in self.plan
+                   if s[2:18] == b"%016x" % ino and not s.startswith(b"d/"))
+        return out
+
+    async def _restore(self, ino: int, side: Chain, names: bool = False) -> None:
+        """Take inode ``ino`` whole from ``side``, with the names it has there (``names``;
+        a directory always: it needs its one name, entries of a file have their own)."""
+        iv = await self.val(side, keys.inode(ino))
+        await self.take(keys.inode(ino), iv)
+        await self._set_keys(ino, side)
+        if not names and not Inode.unpack(iv).is_dir():
+            return
+        for sub in self.dsubs:
+            v = await self.val(side, sub)
+            if v is None or unpack_dentry(v)[0] != ino:
+                continue
+            mv = await self.mval(sub)
+            if mv is not None and unpack_dentry(mv)[0] != ino:
+                await self.refuse([sub], "a name was reused; merge by hand")
+            await self.take(sub, v)
+
+    async def _set_keys(self, ino: int, side: Chain | None = None) -> bool:
+        """Make an inode's data, xattrs and symlink those of ``side``, or delete them and
+        the inode (None); True if the plan changed."""
+        before = dict(self.plan)
+        for sub in await self._subs_of(ino):
+            if side is None:
+                await self.take(sub, None)
+            elif not sub.startswith(b"i/"):
+                await self.take(sub, await self.val(side, sub))
+        return self.plan != before
+
+    async def _empty(self, ino: int) -> bool:
+        p = keys.dir_prefix(ino)
+        for sub, _ in await lscan(self.txn, self.ct, p):
+            if await self.mval(sub) is not None:
+                return False
+        return not any(s.startswith(p) and v is not None for s, v in self.plan.items())
+
+
 async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> dict:
     if strategy not in (None, "theirs", "ours"):
         raise Invalid("strategy is theirs or ours")
@@ -383,37 +668,17 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
                 TOUCHED: (into, touched)}
 
     subs = sorted(await _changed_subs(kv, xs))
+    dsubs = sorted({s for s in subs if s.startswith(b"d/")} |
+                   {s for s in target_changes if s.startswith(b"d/")})
 
     async def three_way(txn):
         rec = await _load(txn, keys.branch(into))
         if rec["head"] != ct.top:
             raise Busy(f"branch {into!r} changed during the merge; try again")
-        plan, conflicts = [], []
-        for sub in subs:
-            sv, bv, tv = (await lget(txn, cs, sub), await lget(txn, base, sub),
-                          await lget(txn, ct, sub))
-            if sv == bv or sv == tv:
-                continue
-            if tv == bv:
-                plan.append((sub, sv))
-                continue
-            if sub.startswith(b"i/") and sv and tv and bv:
-                si, ti, bi = Inode.unpack(sv), Inode.unpack(tv), Inode.unpack(bv)
-                if si.is_dir() and ti.is_dir():
-                    ti.nlink += si.nlink - bi.nlink
-                    ti.mtime_ns = max(ti.mtime_ns, si.mtime_ns)
-                    ti.ctime_ns = max(ti.ctime_ns, si.ctime_ns)
-                    plan.append((sub, ti.pack()))
-                    continue
-            conflicts.append(sub)
-        if conflicts and strategy is None:
-            paths = _Paths(kv, ct)
-            raise MergeConflict(sorted({(await paths.of_sub(txn, s)).decode(
-                errors="surrogateescape") for s in conflicts}))
-        if strategy == "theirs":
-            for sub in conflicts:
-                plan.append((sub, await lget(txn, cs, sub)))
-        for sub, value in plan:
+        m = _Merge(txn, kv, cs, base, ct, strategy, dsubs)
+        await m.by_key(subs)
+        await m.settle()
+        for sub, value in m.plan.items():
             if sub.startswith(b"c/"):
                 ino, idx = int(sub[2:18], 16), int(sub[19:], 16)
                 await put_chunk(txn, ct, ino, idx, unpack_slices(value) if value else [])
@@ -421,7 +686,7 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
                 await ldel(txn, ct, sub)
             else:
                 await lput(txn, ct, sub, value)
-        return [sub for sub, _ in plan], len(conflicts)
+        return list(m.plan), m.resolved
     plan, nconf = await kv.transact(three_way)
     return {"result": "merged", "applied": len(plan), "conflicts_resolved": nconf,
             "strategy": strategy, TOUCHED: (into, set(plan))}

@@ -400,6 +400,10 @@ class _Merge:
         self.plan: dict[bytes, bytes | None] = {}
         self.conflicts: set[bytes] = set()
         self.resolved = 0
+        self.changes = 0  # plan changes so far (a repair step checks it moved)
+        # inode -> SUBs ever planned under it (its own keys; for a directory, also the
+        # entries in it): a repair looks at one inode without going through the plan
+        self._planned: dict[int, set[bytes]] = {}
         self._vals: dict[tuple[int, bytes], bytes | None] = {}
 
     async def val(self, chain: Chain, sub: bytes) -> bytes | None:
@@ -412,11 +416,18 @@ class _Merge:
         """The merged value."""
         return self.plan[sub] if sub in self.plan else await self.val(self.ct, sub)
 
+    def _plan(self, sub: bytes, value: bytes | None) -> None:
+        if sub not in self.plan or self.plan[sub] != value:
+            self.plan[sub] = value
+            self.changes += 1
+            self._planned.setdefault(int(sub[2:18], 16), set()).add(sub)
+
     async def take(self, sub: bytes, value: bytes | None) -> None:
         if value == await self.val(self.ct, sub):
-            self.plan.pop(sub, None)
+            if self.plan.pop(sub, self) is not self:
+                self.changes += 1
         else:
-            self.plan[sub] = value
+            self._plan(sub, value)
 
     @property
     def winner(self) -> Chain | None:
@@ -429,7 +440,7 @@ class _Merge:
             if sv == bv or sv == tv:
                 continue
             if tv == bv:
-                self.plan[sub] = sv
+                self._plan(sub, sv)
                 continue
             if sub.startswith(b"i/") and sv and tv and bv:
                 si = Inode.unpack(sv)
@@ -442,7 +453,7 @@ class _Merge:
                 continue
             self.conflicts.add(sub)
             if self.strategy == "theirs":
-                self.plan[sub] = sv
+                self._plan(sub, sv)
         if self.conflicts and self.strategy is None:
             await self.refuse(self.conflicts)
         self.resolved = len(self.conflicts)
@@ -596,8 +607,7 @@ class _Merge:
         for chain in (self.cs, self.ct):
             for prefix in (keys.chunk_prefix(ino), keys.xattr_prefix(ino)):
                 out.update(sub for sub, _ in await lscan(self.txn, chain, prefix))
-        out.update(s for s in self.plan
-                   if s[2:18] == b"%016x" % ino and not s.startswith(b"d/"))
+        out.update(s for s in self._planned.get(ino, ()) if not s.startswith(b"d/"))
         return out
 
     async def _restore(self, ino: int, side: Chain, names: bool = False) -> None:
@@ -620,20 +630,21 @@ class _Merge:
     async def _set_keys(self, ino: int, side: Chain | None = None) -> bool:
         """Make an inode's data, xattrs and symlink those of ``side``, or delete them and
         the inode (None); True if the plan changed."""
-        before = dict(self.plan)
+        before = self.changes
         for sub in await self._subs_of(ino):
             if side is None:
                 await self.take(sub, None)
             elif not sub.startswith(b"i/"):
                 await self.take(sub, await self.val(side, sub))
-        return self.plan != before
+        return self.changes != before
 
     async def _empty(self, ino: int) -> bool:
         p = keys.dir_prefix(ino)
         for sub, _ in await lscan(self.txn, self.ct, p):
             if await self.mval(sub) is not None:
                 return False
-        return not any(s.startswith(p) and v is not None for s, v in self.plan.items())
+        return not any(s.startswith(p) and self.plan.get(s) is not None
+                       for s in self._planned.get(ino, ()))
 
 
 async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> dict:

@@ -405,6 +405,8 @@ class _Merge:
         # entries in it): a repair looks at one inode without going through the plan
         self._planned: dict[int, set[bytes]] = {}
         self._vals: dict[tuple[int, bytes], bytes | None] = {}
+        self._conflict_inos: set[int] | None = None
+        self._naming: dict[int, dict[int, list[bytes]]] = {}  # side -> ino -> entries
 
     async def val(self, chain: Chain, sub: bytes) -> bytes | None:
         k = (chain.top, sub)
@@ -475,14 +477,18 @@ class _Merge:
         await self.refuse(self.dsubs[:20], "the merge did not settle; merge by hand")
 
     async def _round(self) -> bool:
-        """Find one thing to repair and repair it (True), or set the derived fields."""
+        """Repair what this pass finds to repair (True: another pass follows, on the
+        new plan), or set the derived fields. Repairs are made together, one pass for
+        all (a pass per repair made a merge needing many of them quadratic); a repair
+        only adds names, entries and keys of the inode it is about, and the counts
+        are taken afresh by the next pass."""
         ents = [(sub, v) for sub, v in self.plan.items() if sub.startswith(b"d/")]
         if await self._keep_needed(ents):
             return True
         names, subdirs, placed = await self._count(ents)
         inos = set(names) | set(subdirs) | {int(s[2:18], 16) for s in self.plan
                                              if s[:2] in (b"i/", b"c/", b"x/", b"l/")}
-        fixed, clashes = {}, []
+        fixed, clashes, repaired = {}, [], False
         for ino in sorted(inos):
             mv, tv = await self.mval(keys.inode(ino)), await self.val(self.ct, keys.inode(ino))
             ti = Inode.unpack(tv) if tv else None
@@ -491,15 +497,16 @@ class _Merge:
                     if ti is not None else False
                 if named or ti is not None and ti.is_dir() and not await self._empty(ino):
                     await self._restore(ino, self.ct)  # names or entries of the target use it
-                    return True
-                if await self._set_keys(ino):  # keys left of an inode the merge deletes
-                    return True
+                    repaired = True
+                elif await self._set_keys(ino):  # keys left of an inode the merge deletes
+                    repaired = True
                 continue
             mi = Inode.unpack(mv)
             sv = await self.val(self.cs, keys.inode(ino))
             side = self.ct if sv is None else self.cs
             if (sv is None) != (ti is None) and await self._set_keys(ino, side):
-                return True  # one side deleted it, the merge keeps it: whole, data too
+                repaired = True  # one side deleted it, the merge keeps it: whole, data too
+                continue
             if mi.is_dir():
                 n = (ti is not None and ino != ROOT) + names[ino]
                 mi.nlink = (ti.nlink if ti else 2) + subdirs[ino]
@@ -516,10 +523,13 @@ class _Merge:
                     await self._set_keys(ino)
                 else:
                     await self.refuse([keys.inode(ino)], "cannot be merged automatically")
-                return True
+                repaired = True
+                continue
             if mi.is_dir() and n > 1:
                 clashes.append(ino)
             fixed[ino] = mi
+        if repaired:
+            return True
         if not clashes:
             clashes = await self._cycle(fixed, placed)
         if clashes:  # a directory in two places, or in itself
@@ -537,7 +547,9 @@ class _Merge:
         return False
 
     async def _keep_needed(self, ents) -> bool:
-        """An entry needs its directory and its inode: restore one the merge deleted."""
+        """An entry needs its directory and its inode: restore those the merge deleted
+        (True if any)."""
+        restored = False
         for sub, v in ents:
             if v is None:
                 continue
@@ -547,8 +559,8 @@ class _Merge:
                     if await self.val(side, keys.inode(ino)) is None:
                         side = self.ct if side is self.cs else self.cs
                     await self._restore(ino, side)
-                    return True
-        return False
+                    restored = True
+        return restored
 
     async def _count(self, ents):
         """Names and subdirectories gained (lost: negative) against the target, and the
@@ -590,16 +602,28 @@ class _Merge:
 
     async def _in_conflict(self, ino: int) -> bool:
         """Whether a conflicting key is one of the inode's, or an entry naming it."""
-        for sub in self.conflicts:
-            if not sub.startswith(b"d/"):
-                if sub[2:18] == b"%016x" % ino:
-                    return True
-                continue
-            for chain in (self.cs, self.ct):
-                v = await self.val(chain, sub)
-                if v is not None and unpack_dentry(v)[0] == ino:
-                    return True
-        return False
+        if self._conflict_inos is None:  # (conflicts are all found before settling)
+            self._conflict_inos = set()
+            for sub in self.conflicts:
+                if not sub.startswith(b"d/"):
+                    self._conflict_inos.add(int(sub[2:18], 16))
+                    continue
+                for chain in (self.cs, self.ct):
+                    v = await self.val(chain, sub)
+                    if v is not None:
+                        self._conflict_inos.add(unpack_dentry(v)[0])
+        return ino in self._conflict_inos
+
+    async def _entries_naming(self, ino: int, side: Chain) -> list[bytes]:
+        """The changed entries (``dsubs``) that name ``ino`` on ``side``."""
+        index = self._naming.get(side.top)
+        if index is None:
+            index = self._naming[side.top] = {}
+            for sub in self.dsubs:
+                v = await self.val(side, sub)
+                if v is not None:
+                    index.setdefault(unpack_dentry(v)[0], []).append(sub)
+        return index.get(ino, [])
 
     async def _subs_of(self, ino: int) -> set[bytes]:
         """The SUBs of an inode on either side and in the plan (entries not included)."""
@@ -618,10 +642,8 @@ class _Merge:
         await self._set_keys(ino, side)
         if not names and not Inode.unpack(iv).is_dir():
             return
-        for sub in self.dsubs:
+        for sub in await self._entries_naming(ino, side):
             v = await self.val(side, sub)
-            if v is None or unpack_dentry(v)[0] != ino:
-                continue
             mv = await self.mval(sub)
             if mv is not None and unpack_dentry(mv)[0] != ino:
                 await self.refuse([sub], "a name was reused; merge by hand")

@@ -3,8 +3,9 @@
 Layout: ``DEVICE`` (JSON: volume uuid, device id, format revision) and
 ``frags/<last two hex digits of the stripe id>/<stripe id>.<index>``. A fragment is
 written in place: it is referenced only once the transaction recording its stripe
-commits, and a torn one fails its checksums. ``sync()`` makes every fragment written since the last sync
-durable: fsync of each file and directory, or one syncfs(2) when there are many.
+commits, and a torn one fails its checksums. ``sync()`` makes every fragment written
+since the last sync durable: fsync of each file and directory, or one syncfs(2) when
+there are many.
 """
 from __future__ import annotations
 
@@ -46,9 +47,13 @@ def _aligned_buffer(size: int) -> mmap.mmap:
 
 
 def drop_behind(fd: int, ranges) -> None:
-    """Drop the pages of ``ranges`` (just read) from the page cache (see DROP_BEHIND)."""
-    for offset, length in ranges:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    """Drop the pages of ``ranges`` (just read) from the page cache (see DROP_BEHIND);
+    only advice: a filesystem that refuses it does not fail the read."""
+    try:
+        for offset, length in ranges:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
 
 
 class FileStore:

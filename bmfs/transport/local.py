@@ -9,9 +9,9 @@ from an NVMe device, so a small read is done on the event loop itself, as s3ql r
 its cache files; concurrent small reads too, one after the other (4 random readers:
 +10-48% against sending them to threads while others waited). A device whose read
 took long there (``SLOW_INLINE`` on average, or one ``STALL``) is read from threads
-for a while, twice as long each time it happens again. The risk taken: while one inline read waits for a
-device, the whole mount waits; a device that stalls is found out by its first stall
-and then read from threads for longer and longer.
+for a while, twice as long each time it happens again. The risk taken: while one
+inline read waits for a device, the whole mount waits; a device that stalls is found
+out by its first stall and then read from threads for longer and longer.
 """
 from __future__ import annotations
 

@@ -46,16 +46,6 @@ def _aligned_buffer(size: int) -> mmap.mmap:
     return buf
 
 
-def drop_behind(fd: int, ranges) -> None:
-    """Drop the pages of ``ranges`` (just read) from the page cache (see DROP_BEHIND);
-    only advice: a filesystem that refuses it does not fail the read."""
-    try:
-        for offset, length in ranges:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    except OSError:
-        pass
-
-
 class FileStore:
     def __init__(self, path: str, volume_uuid: str, dev: int):
         self.path = path
@@ -223,7 +213,11 @@ class FileStore:
         try:
             out = [os.pread(fd, length, offset) for offset, length in ranges]
             if self.drop_behind and sum(n for _, n in ranges) >= DROP_BEHIND:
-                drop_behind(fd, ranges)
+                try:  # only advice: a filesystem that refuses it does not fail the read
+                    for offset, length in ranges:
+                        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass
             return out
         finally:
             os.close(fd)

@@ -1,4 +1,5 @@
-"""Level 1: one conformance suite for every fragment store (directory and pmem pool)."""
+"""Level 1: one conformance suite for every fragment store (a directory of fragment
+files, a directory holding a pool, a pmem pool file)."""
 import os
 import threading
 
@@ -8,16 +9,21 @@ from bmfs.errors import VolumeError
 from bmfs.store.pmem import format_store, open_store
 
 
-@pytest.fixture(params=["dir", "pmem"])
+@pytest.fixture(params=["dir", "pool", "pmem"])
 def spec(request, tmp_path):
-    if request.param == "dir":
-        return str(tmp_path / "dev")
+    if request.param in ("dir", "pool"):
+        return (str(tmp_path / "dev"), "files" if request.param == "dir" else "pool")
     return f"pmem:{tmp_path}/pool:64"
 
 
 def make(spec):
-    format_store(spec, "vol-uuid", 3)
-    return open_store(spec, "vol-uuid", 3)
+    path, layout = spec if isinstance(spec, tuple) else (spec, "files")
+    format_store(path, "vol-uuid", 3, layout)
+    return open_store(path, "vol-uuid", 3)
+
+
+def _path(spec):
+    return spec[0] if isinstance(spec, tuple) else spec
 
 
 def test_write_read_delete(spec):
@@ -44,12 +50,12 @@ def test_survives_reopen_and_rejects_foreign(spec):
     s.write("00000000000000aa.1", [data])
     s.sync()
     del s
-    again = open_store(spec, "vol-uuid", 3)
+    again = open_store(_path(spec), "vol-uuid", 3)
     assert again.read_parts("00000000000000aa.1", [(0, 1 << 20)]) == [data]
     with pytest.raises(VolumeError):
-        open_store(spec, "other-volume", 3)
+        open_store(_path(spec), "other-volume", 3)
     with pytest.raises(VolumeError, match="already belongs"):
-        format_store(spec, "vol-uuid", 3)
+        make(spec)
 
 
 def test_concurrent_writers_and_space_reuse(spec):

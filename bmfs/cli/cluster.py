@@ -14,6 +14,8 @@ def add_parser(sub):
     u.add_argument("--meta", default="sqlite", help="sqlite (default) or etcd")
     u.add_argument("--domains", type=int, default=0,
                    help="put node i in failure domain i %% N (default: each node its own)")
+    u.add_argument("--layout", choices=("pool", "files"), default=None,
+                   help="how each node's device keeps fragments (as bmfs mkfs --layout)")
     u.set_defaults(func=run_up)
     r = cs.add_parser("start", help="start every node and etcd member that is not running "
                                     "(also after down), or one node")
@@ -35,7 +37,7 @@ def run_up(args) -> int:
         meta = etcd.start_for_cluster(args.dir)
     elif args.meta != "sqlite":
         raise ValueError(f"--meta is sqlite or etcd, not {args.meta!r}")
-    info = local.up(args.dir, args.nodes, k, m, meta, args.domains)
+    info = local.up(args.dir, args.nodes, k, m, meta, args.domains, args.layout)
     if args.meta == "etcd":
         etcd.record_in_cluster(args.dir)
     for n in info["nodes"]:

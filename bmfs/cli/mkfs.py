@@ -1,4 +1,4 @@
-"""bmfs mkfs VOLUME [--ec K+M] [--device PATH ...] [--meta URL]"""
+"""bmfs mkfs VOLUME [--ec K+M] [--device PATH ...] [--meta URL] [--layout pool|files]"""
 import trio
 
 from ..config import parse_ec
@@ -12,7 +12,15 @@ def add_parser(sub):
                    help="a device directory; give exactly K+M (default: inside VOLUME)")
     p.add_argument("--meta", help="metadata URL (default sqlite:VOLUME/meta.db)")
     p.add_argument("--fragment-size", type=int, default=1 << 20, help=argparse_help())
+    p.add_argument("--layout", choices=("pool", "files"), default=None,
+                   help="how a device directory keeps fragments: one growing pool file "
+                        "(pool) or a file per fragment (files); default: %s" % _default())
     p.set_defaults(func=run)
+
+
+def _default():
+    from ..vfs.volume import DEFAULT_LAYOUT
+    return DEFAULT_LAYOUT
 
 
 def argparse_help():
@@ -24,6 +32,7 @@ def run(args) -> int:
     k, m = parse_ec(args.ec)
     if args.fragment_size < 4096 or args.fragment_size % 4096:
         raise ValueError("--fragment-size must be a multiple of 4096")
-    s = trio.run(mkfs, args.volume, k, m, args.device or None, args.meta, args.fragment_size)
+    s = trio.run(lambda: mkfs(args.volume, k, m, args.device or None, args.meta,
+                              args.fragment_size, layout=args.layout or _default()))
     print(f"created volume {args.volume} ({s.k}+{s.m}, uuid {s.uuid})")
     return 0

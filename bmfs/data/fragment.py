@@ -80,6 +80,16 @@ def parse_header(buf, sid: int, index: int, payload_length: int) -> tuple[int, .
     return struct.unpack("<%dI" % n, table)
 
 
+def header_names(buf, sid: int, index: int) -> bool:
+    """Whether ``buf`` starts with a fragment header of fragment ``index`` of stripe
+    ``sid`` (magic, version and names only: a pool uses it to tell which of two
+    slots claiming one extent after a crash owns it)."""
+    if len(buf) < _HEAD.size:
+        return False
+    magic, ver, idx, _k, _m, fsid, *_ = _HEAD.unpack_from(buf)
+    return magic == MAGIC and ver == VERSION and fsid == sid and idx == index
+
+
 def check_blocks(table, first_block: int, data, native=NATIVE) -> None:
     """Verify ``data``, which starts at block ``first_block`` of the payload.
     ``table``: the block checksums (a tuple, or an array of uint32 in machine order)."""

@@ -27,7 +27,6 @@ import time
 
 import trio
 
-from ..store.file import FileStore
 from ..store.pmem import open_store
 from ..wire import node_pb2 as pb
 from .protocol import (ALIGNED, BlockingConnection, Connection, FileRange, ProtocolError,
@@ -85,7 +84,7 @@ class GroupSync:
 
 
 class NodeServer:
-    def __init__(self, name: str, secret: bytes, stores: dict[int, FileStore],
+    def __init__(self, name: str, secret: bytes, stores: dict,
                  read_delay: float = 0.0):
         self.name = name
         self.secret = secret
@@ -192,21 +191,21 @@ class NodeServer:
                 return
             self._hot_tokens -= FRAGMENT_GUESS
         store = self.stores[req.device]
-        if not hasattr(store, "open_fragment"):
+        if not hasattr(store, "extent"):
             return  # a pmem pool is memory already
         try:
-            fd = store.open_fragment(req.name)
+            fd, base, length = store.extent(req.name)
         except OSError:
             return
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, base, length, os.POSIX_FADV_WILLNEED)
             self.stats["fragments_read_whole"] += 1
         except OSError:
             pass
         finally:
             os.close(fd)
 
-    def _store(self, req) -> FileStore:
+    def _store(self, req):
         store = self.stores.get(req.device)
         if store is None:
             raise KeyError(f"node {self.name} has no device {req.device}")
@@ -227,13 +226,9 @@ class NodeServer:
     def _file_ranges(store, name, ranges) -> list[FileRange]:
         """A large READ's ranges as parts sent from the file (clipped to its end, like
         pread); _serve_one closes the descriptor."""
-        fd = store.open_fragment(name)
-        try:
-            size = os.fstat(fd).st_size
-        except BaseException:
-            os.close(fd)
-            raise
-        return [FileRange(fd, off, max(0, min(n, size - off))) for off, n in ranges]
+        fd, base, size = store.extent(name)
+        return [FileRange(fd, base + min(off, size), max(0, min(n, size - off)))
+                for off, n in ranges]
 
     def _dispatch(self, req, payload):
         op = req.op
@@ -249,7 +244,7 @@ class NodeServer:
                 raise ValueError("read larger than 64 MiB")
             if (req.device, name) in self._writing:
                 self._wait_written((req.device, name))
-            if sum(n for _, n in ranges) > SENDFILE_MIN and hasattr(store, "open_fragment"):
+            if sum(n for _, n in ranges) > SENDFILE_MIN and hasattr(store, "extent"):
                 parts = self._file_ranges(store, name, ranges)
             else:
                 parts = store.read_parts(name, ranges)

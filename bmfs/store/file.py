@@ -9,6 +9,7 @@ there are many.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -46,6 +47,23 @@ def _aligned_buffer(size: int) -> mmap.mmap:
     return buf
 
 
+@contextlib.contextmanager
+def gathered(parts, total: int):
+    """``parts`` (``total`` bytes) copied into this thread's aligned buffer (warm memory,
+    one memcpy) and zero-padded to whole pages: a view of it, for an O_DIRECT write."""
+    padded = -(-total // DIRECT_ALIGN) * DIRECT_ALIGN
+    view = memoryview(_aligned_buffer(padded))
+    try:
+        pos = 0
+        for p in parts:
+            view[pos:pos + len(p)] = p
+            pos += len(p)
+        view[total:padded] = bytes(padded - total)
+        yield view[:padded]
+    finally:
+        view.release()
+
+
 class FileStore:
     def __init__(self, path: str, volume_uuid: str, dev: int):
         self.path = path
@@ -78,6 +96,9 @@ class FileStore:
             raise VolumeError(f"device {self.dev} at {self.path} is unreadable: {e}")
         if info.get("volume") != volume_uuid or info.get("device") != self.dev:
             raise VolumeError(f"{self.path} belongs to another volume or device")
+        if info.get("format") != 1:
+            raise VolumeError(f"device {self.dev} at {self.path}: unknown format "
+                              f"{info.get('format')}")
 
     def _file(self, name: str) -> str:
         sid_hex = name.split(".", 1)[0]
@@ -124,20 +145,10 @@ class FileStore:
             return None
 
     def _write_padded(self, path: str, parts, total: int) -> bool:
-        """A large fragment gathered into this thread's aligned buffer (warm memory, one
-        memcpy), zero-padded to whole pages and written with O_DIRECT (_write_direct).
-        False (nothing written) where the filesystem refuses O_DIRECT."""
-        padded = -(-total // DIRECT_ALIGN) * DIRECT_ALIGN
-        view = memoryview(_aligned_buffer(padded))
-        try:
-            pos = 0
-            for p in parts:
-                view[pos:pos + len(p)] = p
-                pos += len(p)
-            view[total:padded] = bytes(padded - total)
-            return self._write_direct(path, [view[:padded]], total)
-        finally:
-            view.release()
+        """A large fragment gathered (``gathered``) and written with O_DIRECT
+        (_write_direct). False (nothing written) where the filesystem refuses O_DIRECT."""
+        with gathered(parts, total) as page:
+            return self._write_direct(path, [page], total)
 
     def _write_direct(self, path: str, pages, total: int) -> bool:
         """Write ``pages`` (page-aligned buffers of whole pages, in order, the last one
@@ -203,10 +214,16 @@ class FileStore:
         finally:
             os.close(fd)
 
-    def open_fragment(self, name: str) -> int:
-        """A read-only descriptor of the fragment file, for the caller to close (a
-        storage node sends large reads from it with sendfile)."""
-        return os.open(self._file(name), os.O_RDONLY)
+    def extent(self, name: str) -> tuple[int, int, int]:
+        """``(fd, offset, length)`` of the fragment: a read-only descriptor of its
+        file, for the caller to close (a storage node sends large reads from it with
+        sendfile), 0 and the file's size."""
+        fd = os.open(self._file(name), os.O_RDONLY)
+        try:
+            return fd, 0, os.fstat(fd).st_size
+        except BaseException:
+            os.close(fd)
+            raise
 
     def read_parts(self, name: str, ranges) -> list[bytes]:
         fd = os.open(self._file(name), os.O_RDONLY)

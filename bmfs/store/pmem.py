@@ -48,6 +48,23 @@ ALIGN = 4096
 DEFAULT_SIZE = 1 << 30
 
 
+def pack_slot(name: str, off: int, length: int) -> bytes:
+    """A live index slot naming fragment ``name`` at ``off``, ``length`` bytes."""
+    raw_name = name.encode()
+    if len(raw_name) > 28:
+        raise ValueError(f"fragment name too long for a pool slot: {name}")
+    body = SLOT.pack(1, len(raw_name), 0, raw_name, off, length, 0)
+    return body[:48] + struct.pack("<I", crc32c(body[:48])) + body[52:]
+
+
+def unpack_slot(raw: bytes) -> tuple[str, int, int] | None:
+    """``(name, offset, length)`` of a live, intact slot; None for a free or torn one."""
+    state, nlen, _, name, off, length, crc = SLOT.unpack(raw)
+    if state == 1 and crc == crc32c(raw[:48]) and nlen <= 28:
+        return name[:nlen].decode(), off, length
+    return None
+
+
 def _libpmem():
     name = ctypes.util.find_library("pmem")
     if not name:
@@ -132,10 +149,10 @@ class PmemStore:
         self._index: dict[str, tuple[int, int, int]] = {}  # name -> (slot, offset, length)
         self._free_slots = []
         for i in range(slots):
-            raw = bytes(self._mv[ALIGN + i * SLOT_SIZE: ALIGN + (i + 1) * SLOT_SIZE])
-            state, nlen, _, name, off, length, crc = SLOT.unpack(raw)
-            if state == 1 and crc == crc32c(raw[:48]) and nlen <= 28:
-                self._index[name[:nlen].decode()] = (i, off, length)
+            ent = unpack_slot(bytes(self._mv[ALIGN + i * SLOT_SIZE:
+                                              ALIGN + (i + 1) * SLOT_SIZE]))
+            if ent is not None:
+                self._index[ent[0]] = (i, ent[1], ent[2])
             else:
                 self._free_slots.append(i)
         self._free_slots.reverse()
@@ -156,9 +173,7 @@ class PmemStore:
 
     def write(self, name: str, parts) -> None:
         total = sum(len(p) for p in parts)
-        raw_name = name.encode()
-        if len(raw_name) > 28:
-            raise ValueError(f"fragment name too long for a pmem slot: {name}")
+        body = pack_slot(name, 0, 0)  # checks the name before anything is allocated
         with self._lock:
             if name in self._index:
                 self._delete_locked(name)
@@ -171,8 +186,7 @@ class PmemStore:
             self._mv[pos:pos + len(p)] = p
             pos += len(p)
         self._flush(off, total)          # data first ...
-        body = SLOT.pack(1, len(raw_name), 0, raw_name, off, total, 0)
-        body = body[:48] + struct.pack("<I", crc32c(body[:48])) + body[52:]
+        body = pack_slot(name, off, total)
         at = ALIGN + slot * SLOT_SIZE
         self._mv[at:at + SLOT_SIZE] = body
         self._flush(at, SLOT_SIZE)       # ... then the slot that makes it visible
@@ -237,19 +251,32 @@ def _round(n: int) -> int:
     return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)
 
 
+LAYOUTS = ("pool", "files")  # of a device directory: pool.py, file.py
+
+
 def open_store(path: str, volume_uuid: str, dev: int):
-    """A FileStore for a directory, a PmemStore for ``pmem:PATH[:SIZE_IN_MIB]``."""
+    """A PmemStore for ``pmem:PATH[:SIZE_IN_MIB]``; for a directory, a PoolStore or a
+    FileStore, as its DEVICE marker says."""
     if path.startswith("pmem:"):
         return PmemStore(path[5:].partition(":")[0], volume_uuid, dev)
+    from .pool import PoolStore, is_pool
+    if is_pool(path):
+        return PoolStore(path, volume_uuid, dev)
     from .file import FileStore
     return FileStore(path, volume_uuid, dev)
 
 
-def format_store(path: str, volume_uuid: str, dev: int) -> None:
-    """Format a device: ``pmem:PATH[:SIZE_IN_MIB]`` is a pool file, anything else a dir."""
+def format_store(path: str, volume_uuid: str, dev: int, layout: str = "files") -> None:
+    """Format a device: ``pmem:PATH[:SIZE_IN_MIB]`` is a pool file; anything else a
+    directory holding a pool (``layout="pool"``) or fragment files."""
     if path.startswith("pmem:"):
         p, _, size = path[5:].partition(":")
         PmemStore.format(p, volume_uuid, dev, int(size) << 20 if size else DEFAULT_SIZE)
-    else:
+    elif layout == "pool":
+        from .pool import PoolStore
+        PoolStore.format(path, volume_uuid, dev)
+    elif layout == "files":
         from .file import FileStore
         FileStore.format(path, volume_uuid, dev)
+    else:
+        raise VolumeError(f"unknown device layout {layout!r} (one of {', '.join(LAYOUTS)})")

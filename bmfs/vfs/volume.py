@@ -19,11 +19,13 @@ from ..kv import open_kv
 from ..meta import keys
 from ..meta.namespace import ROOT
 from ..meta.records import Inode
-from ..store.pmem import format_store, open_store
+from ..store.pmem import LAYOUTS, format_store, open_store
 from ..transport.local import LocalTransport
 
 log = logging.getLogger(__name__)
 VOLUME_FILE = "volume.json"
+# how new volumes' device directories keep fragments (``bmfs mkfs --layout``)
+DEFAULT_LAYOUT = os.environ.get("BMFS_LAYOUT", "files")
 
 
 def read_volume_file(path: str) -> dict:
@@ -45,10 +47,14 @@ def read_volume_file(path: str) -> dict:
 async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = None,
                meta: str | None = None, fragment_size: int = 1 << 20,
                nodes: list[str] | None = None,
-               domains: list[str] | None = None) -> VolumeSettings:
-    """Create a volume in directory ``path``. Raises VolumeError if one is there already."""
+               domains: list[str] | None = None,
+               layout: str = DEFAULT_LAYOUT) -> VolumeSettings:
+    """Create a volume in directory ``path``. Raises VolumeError if one is there already.
+    ``layout``: how device directories keep fragments (store/pmem.py LAYOUTS)."""
     if os.path.exists(os.path.join(path, VOLUME_FILE)):
         raise VolumeError(f"{path} already holds a bmfs volume")
+    if layout not in LAYOUTS:
+        raise VolumeError(f"unknown device layout {layout!r} (one of {', '.join(LAYOUTS)})")
     if devices and len(devices) != k + m:
         raise VolumeError(f"--ec {k}+{m} needs exactly {k + m} devices, {len(devices)} given")
     os.makedirs(path, exist_ok=True)
@@ -64,7 +70,7 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
         if await kv.get(keys.SETTINGS) is not None:
             raise VolumeError(f"the metadata at {meta} already holds a volume")
         for i, d in enumerate(devices):
-            format_store(d, settings.uuid, i)
+            format_store(d, settings.uuid, i, layout)
         txn = kv.begin()
         txn.put(keys.SETTINGS, json.dumps(settings.to_json()).encode())
         for i, d in enumerate(devices):

@@ -86,11 +86,11 @@ def test_writes_hold_exactly_the_bytes(tmp_path, total):
     assert s.read("0000000000000001.0", 0, 1 << 30) == data
     assert s.read("0000000000000002.0", 0, 1 << 30) == data[::-1]
     assert s.read_parts("0000000000000002.0", [(total - 10, 100)]) == [data[::-1][-10:]]
-    fd, off, length = s.extent("0000000000000002.0")
+    fd, off, length, release = s.extent("0000000000000002.0")
     try:
         assert length == total and os.pread(fd, total, off) == data[::-1]
     finally:
-        os.close(fd)
+        release()
 
 
 def test_a_read_in_flight_never_sees_another_fragments_bytes(tmp_path):
@@ -140,6 +140,17 @@ def test_a_read_in_flight_never_sees_another_fragments_bytes(tmp_path):
     s.write(n3, [d3])
     assert s._index[n3][1] == off  # once it ended, the space is used again
     assert s.read(n2, 0, 1 << 30) == d2 and s.read(n3, 0, 1 << 30) == d3
+    # an extent handed out for sendfile is held the same way until released
+    fd, off3, _, release = s.extent(n3)
+    s.delete(n3)
+    n4, d4 = fragment(9, 0, 200_000)
+    s.write(n4, [d4])
+    assert s._index[n4][1] != off3
+    assert os.pread(fd, len(d3), off3) == d3
+    release()
+    n5, d5 = fragment(10, 0, 200_000)
+    s.write(n5, [d5])
+    assert s._index[n5][1] == off3
 
 
 def test_two_slots_on_one_extent_after_a_crash_keep_the_true_one(tmp_path):

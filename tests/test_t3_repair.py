@@ -5,6 +5,7 @@ import trio
 
 from bmfs.vfs import repair
 from bmfs.vfs.fsck import fsck
+from fragments import intact_keys, lose, on_device
 from vfsutil import open_fs, read_file, write_file
 
 ROOT = 1
@@ -19,12 +20,11 @@ def test_concurrent_repairs_rebuild_each_fragment_once(tmp_path):
     async def main():
         async with open_fs(vol) as fs:
             inos = {name: await write_file(fs, ROOT, name, data) for name, data in files.items()}
-            frags = os.path.join(str(vol), "dev2", "frags")
-            lost = [os.path.join(frags, d, n) for d in os.listdir(frags)  # data fragments:
-                    for n in os.listdir(os.path.join(frags, d)) if int(n[-1]) < 4]  # read
+            dev2 = os.path.join(str(vol), "dev2")
+            lost = [f for f in on_device(dev2) if f.idx < 4]  # data fragments: read
             assert lost
-            for p in lost:
-                os.unlink(p)
+            for f in lost:
+                lose(f)
             for name, ino in inos.items():  # degraded reads queue the damage
                 assert await read_file(fs, ino) == files[name]
             results = []
@@ -36,7 +36,7 @@ def test_concurrent_repairs_rebuild_each_fragment_once(tmp_path):
                 nursery.start_soon(run)
             assert sum(r["fragments_rebuilt"] for r in results) == len(lost)
             assert all(r["stripes_failed"] == 0 for r in results)
-            assert all(os.path.exists(p) for p in lost)
+            assert {(f.sid, f.idx) for f in lost} <= intact_keys(dev2)
             s = await repair.scrub(fs.volume)
             assert s["bad_fragments"] == 0 and s["stripes"] == 0
             fs.volume.data._decoded.clear()

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from fragments import on_device
 from mountutil import Mounted, assert_fsck_clean, bmfs
 
 
@@ -259,7 +260,7 @@ def test_mkfs_device_count_and_reuse(tmp_path):
     with Mounted(tmp_path / "v", tmp_path / "m") as m:
         with open(f"{m.mp}/f", "wb") as f:
             f.write(os.urandom(300_000))
-    assert len(os.listdir(f"{tmp_path}/dev0/frags")) >= 1
+    assert len(on_device(f"{tmp_path}/dev0")) >= 1
     assert_fsck_clean(tmp_path / "v")
 
 

@@ -10,13 +10,11 @@ get the proper errno or a one-line error with exit status 2.
 from __future__ import annotations
 
 import errno
-import glob
 import hashlib
 import json
 import os
 import random
 import shutil
-import struct
 import subprocess
 import sys
 import textwrap
@@ -24,12 +22,23 @@ import time
 
 import pytest
 
-from mountutil import Mounted, assert_fsck_clean, bmfs, daemon_pid, fsck, is_mounted
+from fragments import empty_device, flip, intact_keys, lose, on_device, on_volume, payload_area
+from mountutil import Mounted, assert_fsck_clean, bmfs, daemon_pid, fsck, is_mounted, mkfs
 
 MiB = 1 << 20
 
 
 # -- helpers ------------------------------------------------------------------------------
+@pytest.fixture(params=["files", "pool"])
+def volume(request, tmp_path):
+    """A fresh 4+2 volume, once in each device layout (docs/formats.md): the damage
+    below is done to the bytes on the devices (tests/fragments.py), whatever the
+    layout keeps them in."""
+    v = tmp_path / "vol"
+    mkfs(v, "--layout", request.param)
+    return v
+
+
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -75,35 +84,6 @@ def status_json(target) -> dict:
     return json.loads(res.stdout)
 
 
-def fragment_files(volume) -> list[tuple[int, int, int, str]]:
-    """(stripe id, fragment index, device, path) of every fragment file on the devices."""
-    out = []
-    for path in glob.glob(os.path.join(str(volume), "dev*", "frags", "*", "*")):
-        name = os.path.basename(path)
-        if name.endswith(".tmp"):
-            continue
-        dev = int(path.split(os.sep)[-4][3:])
-        sid_hex, idx = name.split(".")
-        out.append((int(sid_hex, 16), int(idx), dev, path))
-    return sorted(out)
-
-
-def flip(path, offset) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
-def payload_area(path) -> tuple[int, int]:
-    """(start, length) of the payload of a fragment file (see bmfs/data/fragment.py)."""
-    with open(path, "rb") as f:
-        head = f.read(32)
-    plen, _bsize, nblocks = struct.unpack_from("<III", head, 16)
-    return 32 + 4 * nblocks, plen
-
-
 def one_line_error(res: subprocess.CompletedProcess) -> str:
     err = res.stderr.strip()
     assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr
@@ -122,8 +102,7 @@ def test_two_devices_lost_everything_reads_back(mnt, how):
         if how == "whole-device":
             shutil.rmtree(dev)
         else:
-            for sub in os.listdir(os.path.join(dev, "frags")):
-                shutil.rmtree(os.path.join(dev, "frags", sub))
+            empty_device(dev)
     with Mounted(mnt.volume, mnt.mp):
         read_back(mnt.mp, want)
         st = status_json(mnt.mp)
@@ -158,22 +137,22 @@ def test_two_devices_lost_everything_reads_back(mnt, how):
 def test_flipped_bytes_are_detected_and_read_around(mnt):
     want = write_varied_files(mnt.mp)
     mnt.umount()
-    frags = fragment_files(mnt.volume)
-    first = min(sid for sid, _, _, _ in frags)
+    frags = on_volume(mnt.volume)
+    first = min(f.sid for f in frags)
     # two devices: the ones holding data fragments 0 and 1 of the first stripe, so the
     # damage lies on the path of ordinary reads; no stripe loses more than m=2 fragments
-    dev_payload = next(d for s, i, d, _ in frags if s == first and i == 0)
-    dev_header = next(d for s, i, d, _ in frags if s == first and i == 1)
+    dev_payload = next(f.dev for f in frags if f.sid == first and f.idx == 0)
+    dev_header = next(f.dev for f in frags if f.sid == first and f.idx == 1)
     damaged = []
-    for sid, idx, dev, path in frags:
-        if dev == dev_payload:
-            start, plen = payload_area(path)
-            flip(path, start + plen // 2)
-        elif dev == dev_header:
-            flip(path, 32)  # the first entry of the block checksum table
+    for f in frags:
+        if f.dev == dev_payload:
+            start, plen = payload_area(f)
+            flip(f, start + plen // 2)
+        elif f.dev == dev_header:
+            flip(f, 32)  # the first entry of the block checksum table
         else:
             continue
-        damaged.append((sid, idx, dev))
+        damaged.append((f.sid, f.idx, f.dev))
     assert len({sid for sid, _, _ in damaged}) >= 3, damaged
 
     res = fsck(mnt.volume, "--full")
@@ -421,19 +400,18 @@ def test_background_repair_rebuilds_lost_fragments(volume, tmp_path, monkeypatch
     with Mounted(volume, tmp_path / "m") as m:
         with open(f"{m.mp}/f", "wb") as f:
             f.write(data)
-        frags = os.path.join(str(volume), "dev2", "frags")
-        lost = [os.path.join(frags, d, n) for d in os.listdir(frags)
-                for n in os.listdir(os.path.join(frags, d))]
+        dev2 = os.path.join(str(volume), "dev2")
+        lost = {(f.sid, f.idx) for f in on_device(dev2)}
         assert lost
-        for p in lost:
-            os.unlink(p)
+        for f in on_device(dev2):
+            lose(f)
         subprocess.run(["sync"])
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3")  # read from bmfs, not the kernel's page cache
         assert open(f"{m.mp}/f", "rb").read() == data  # degraded, and the damage is noted
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not all(os.path.exists(p) for p in lost):
+        while time.monotonic() < deadline and not lost <= intact_keys(dev2):
             time.sleep(0.5)
-        assert all(os.path.exists(p) for p in lost), "the lost fragments were not rebuilt"
+        assert lost <= intact_keys(dev2), "the lost fragments were not rebuilt"
     res = fsck(volume, "--full")
     assert res.returncode == 0, res.stdout

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from bmfs.cluster.etcd import ETCD
 from bmfs.proc import alive
+from fragments import flip, intact, on_device
 from mountutil import Mounted, assert_fsck_clean, bmfs
 
 TOTAL = int(os.environ.get("BMFS_CLUSTER_TEST_BYTES", 1 << 30))
@@ -198,14 +199,9 @@ def test_corrupt_fragments_detected_repaired_never_returned(cluster, tmp_path):
         # flip bytes in the payload of every fragment on two devices
         flipped = 0
         for n in (1, 5):
-            root = f"{cluster.dir}/node{n}/dev/frags"
-            for sub in os.listdir(root):
-                for name in os.listdir(f"{root}/{sub}"):
-                    p = f"{root}/{sub}/{name}"
-                    with open(p, "r+b") as fh:
-                        fh.seek(os.path.getsize(p) // 2)
-                        fh.write(b"\xde\xad\xbe\xef")
-                    flipped += 1
+            for frag in on_device(f"{cluster.dir}/node{n}/dev"):
+                flip(frag, frag.length // 2)
+                flipped += 1
         assert flipped >= 2
         _drop_caches()
         assert open(f"{mp}/f", "rb").read() == data
@@ -235,7 +231,8 @@ def test_protocol_robustness(cluster, tmp_path):
         with open(f"{mp}/f", "wb") as f:
             f.write(data)
         addr = _node_addr(cluster)
-        before = sorted(os.listdir(f"{cluster.dir}/node0/dev/frags"))
+        before = on_device(f"{cluster.dir}/node0/dev")
+        assert before and all(intact(f) for f in before)
 
         # a client without the secret is refused
         from bmfs.node.protocol import Connection  # noqa: F401 (protocol under test)
@@ -272,7 +269,8 @@ def test_protocol_robustness(cluster, tmp_path):
         # the node still serves, and nothing was damaged
         _drop_caches()
         assert open(f"{mp}/f", "rb").read() == data
-        assert sorted(os.listdir(f"{cluster.dir}/node0/dev/frags")) == before
+        assert on_device(f"{cluster.dir}/node0/dev") == before
+        assert all(intact(f) for f in before)
         st_ = _status(mp)
         # (a hedged read may still race the cold node: that is not damage)
         assert st_["data"]["missing_fragments"] == 0 and st_["data"]["corrupt_fragments"] == 0

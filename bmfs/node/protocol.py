@@ -229,11 +229,13 @@ class Connection(_Framing):
 
 class FileRange:
     """A payload part sent from a file with sendfile(2) (page cache to socket, no copy
-    through user memory): ``length`` bytes at ``offset`` of descriptor ``fd``."""
-    __slots__ = ("fd", "offset", "length")
+    through user memory): ``length`` bytes at ``offset`` of descriptor ``fd``;
+    ``release()``, if given, is called once it is sent (or not) instead of closing
+    ``fd`` (a store's extent: store/pool.py)."""
+    __slots__ = ("fd", "offset", "length", "release")
 
-    def __init__(self, fd: int, offset: int, length: int):
-        self.fd, self.offset, self.length = fd, offset, length
+    def __init__(self, fd: int, offset: int, length: int, release=None):
+        self.fd, self.offset, self.length, self.release = fd, offset, length, release
 
     def __len__(self) -> int:
         return self.length

@@ -162,7 +162,10 @@ class NodeServer:
             conn.send(resp, parts)
         finally:
             if parts and isinstance(parts[0], FileRange):
-                os.close(parts[0].fd)
+                if parts[0].release is not None:
+                    parts[0].release()
+                else:
+                    os.close(parts[0].fd)
         if req.op == Req.READ and not resp.errno and parts and not isinstance(parts[0], FileRange):
             self._note_small_read(req)
 
@@ -194,7 +197,7 @@ class NodeServer:
         if not hasattr(store, "extent"):
             return  # a pmem pool is memory already
         try:
-            fd, base, length = store.extent(req.name)
+            fd, base, length, release = store.extent(req.name)
         except OSError:
             return
         try:
@@ -203,7 +206,7 @@ class NodeServer:
         except OSError:
             pass
         finally:
-            os.close(fd)
+            release()
 
     def _store(self, req):
         store = self.stores.get(req.device)
@@ -225,10 +228,12 @@ class NodeServer:
     @staticmethod
     def _file_ranges(store, name, ranges) -> list[FileRange]:
         """A large READ's ranges as parts sent from the file (clipped to its end, like
-        pread); _serve_one closes the descriptor."""
-        fd, base, size = store.extent(name)
-        return [FileRange(fd, base + min(off, size), max(0, min(n, size - off)))
-                for off, n in ranges]
+        pread); _serve_one releases the extent once they are sent."""
+        fd, base, size, release = store.extent(name)
+        out = [FileRange(fd, base + min(off, size), max(0, min(n, size - off)))
+               for off, n in ranges]
+        out[0].release = release  # _serve_one releases the first part's, once sent
+        return out
 
     def _dispatch(self, req, payload):
         op = req.op

@@ -214,13 +214,13 @@ class FileStore:
         finally:
             os.close(fd)
 
-    def extent(self, name: str) -> tuple[int, int, int]:
-        """``(fd, offset, length)`` of the fragment: a read-only descriptor of its
-        file, for the caller to close (a storage node sends large reads from it with
-        sendfile), 0 and the file's size."""
+    def extent(self, name: str):
+        """``(fd, offset, length, release)`` of the fragment, for a storage node to
+        send large reads from with sendfile: a read-only descriptor of its file, 0,
+        the file's size, and ``release()`` (closes the descriptor) to call when done."""
         fd = os.open(self._file(name), os.O_RDONLY)
         try:
-            return fd, 0, os.fstat(fd).st_size
+            return fd, 0, os.fstat(fd).st_size, lambda: os.close(fd)
         except BaseException:
             os.close(fd)
             raise

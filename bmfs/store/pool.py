@@ -30,7 +30,8 @@ fails its checksums like a torn fragment file; or, when an extent freed before t
 crash was already written again, two live slots on one extent: ``_load`` keeps the
 one whose header names it and clears the other.
 
-Reads are buffered preads of the pool (one descriptor, no open per read). An extent is
+Reads are buffered preads of the pool (small ones through one descriptor, with no
+open per read; see ``read_parts``). An extent is
 given back to the allocator only once every read that could have looked it up has
 finished (read epochs), so a read racing a delete sees the old bytes or no fragment,
 never another fragment's.
@@ -66,11 +67,17 @@ class PoolStore:
         self.drop_behind = False  # see file.DROP_BEHIND
         self._lock = threading.Lock()
         _check_marker(path, volume_uuid, dev)
+        self._pool_path = os.path.join(path, "pool")
         try:
-            self._fd = os.open(os.path.join(path, "pool"), os.O_RDWR)
+            self._fd = os.open(self._pool_path, os.O_RDWR)
             self._ifd = os.open(os.path.join(path, "index"), os.O_RDWR)
+            self._rfd = os.open(self._pool_path, os.O_RDONLY)  # small reads
         except OSError as e:
             raise VolumeError(f"device {dev} at {path}: pool unreadable: {e}")
+        try:
+            os.posix_fadvise(self._rfd, 0, 0, os.POSIX_FADV_RANDOM)
+        except OSError:
+            pass
         self._dfd = None  # the pool opened O_DIRECT, for large writes
         if hasattr(os, "O_DIRECT"):
             try:
@@ -359,34 +366,50 @@ class PoolStore:
                 del self._reading[epoch]
 
     def read_parts(self, name: str, ranges) -> list[bytes]:
+        """Small reads use one descriptor that asks for no read-ahead (a 4 KiB read
+        reads 4 KiB); large ones, sequential readers', open their own, whose
+        read-ahead state no other reader disturbs (on one shared descriptor, 1 GiB
+        read cold went from ~700 to ~420 MB/s)."""
         epoch, base, length = self._begin_read(name)
+        large = sum(n for _, n in ranges) >= _file.DROP_BEHIND
+        fd = os.open(self._pool_path, os.O_RDONLY) if large else self._rfd
         try:
             out = []
             for o, n in ranges:
                 o = min(o, length)
                 n = max(0, min(n, length - o))
-                out.append(os.pread(self._fd, n, base + o) if n else b"")
-            if self.drop_behind and sum(len(p) for p in out) >= _file.DROP_BEHIND:
+                out.append(os.pread(fd, n, base + o) if n else b"")
+            if large and self.drop_behind:
                 try:  # only advice, as in FileStore.read_parts
                     for o, n in ranges:
-                        os.posix_fadvise(self._fd, base + o, n, os.POSIX_FADV_DONTNEED)
+                        os.posix_fadvise(fd, base + o, n, os.POSIX_FADV_DONTNEED)
                 except OSError:
                     pass
             return out
         finally:
+            if large:
+                os.close(fd)
             self._end_read(epoch)
 
     def read(self, name: str, offset: int, length: int) -> bytes:
         return self.read_parts(name, [(offset, length)])[0]
 
-    def extent(self, name: str) -> tuple[int, int, int]:
-        """``(fd, offset, length)`` of the fragment for sendfile; ``fd`` is the
-        caller's to close. Raises FileNotFoundError if there is no such fragment."""
+    def extent(self, name: str):
+        """``(fd, offset, length, release)`` of the fragment, for sendfile: a
+        descriptor of the pool of its own, and ``release()`` to call when done, which
+        closes it and lets the extent be reused (until then it is held, like a read).
+        Raises FileNotFoundError if there is no such fragment."""
         epoch, base, length = self._begin_read(name)
         try:
-            return os.dup(self._fd), base, length
-        finally:
+            fd = os.open(self._pool_path, os.O_RDONLY)
+        except BaseException:
             self._end_read(epoch)
+            raise
+
+        def release():
+            os.close(fd)
+            self._end_read(epoch)
+        return fd, base, length, release
 
     # -- the rest -----------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -408,10 +431,10 @@ class PoolStore:
             raise VolumeError(f"device {self.dev} at {self.path} is missing")
 
     def close(self) -> None:
-        for fd in (self._fd, self._ifd, self._dfd):
+        for fd in (self._fd, self._ifd, self._dfd, self._rfd):
             if fd is not None:
                 os.close(fd)
-        self._fd = self._ifd = self._dfd = None
+        self._fd = self._ifd = self._dfd = self._rfd = None
 
     def __del__(self):
         if getattr(self, "_fd", None) is not None:

@@ -92,3 +92,35 @@ def test_pool_full_is_an_error_not_corruption(tmp_path):
             written.append(i)
     for i in written:
         assert s.read_parts(f"{i:016x}.0", [(0, 10)]) == [bytes([i]) * 10]
+
+
+def test_a_sync_waits_for_the_sync_already_running(spec, monkeypatch):
+    """Two fsyncs at once: the second finds nothing left to do (the first took this
+    store's pending writes), but it must not return before the first has made them
+    durable, or its caller is told so too early."""
+    if not isinstance(spec, tuple):
+        pytest.skip("a pmem pool flushes every write before it returns")
+    s = make(spec)
+    s.write("0000000000000001.0", [os.urandom(300_000)])
+    entered, release = threading.Event(), threading.Event()
+    real = {name: getattr(os, name) for name in ("fsync", "fdatasync")}
+
+    def slow(name):
+        def call(fd):
+            entered.set()
+            release.wait(10)
+            return real[name](fd)
+        return call
+    for name in real:
+        monkeypatch.setattr(os, name, slow(name))
+    first = threading.Thread(target=s.sync)
+    first.start()
+    assert entered.wait(10)
+    second_done = threading.Event()
+    second = threading.Thread(target=lambda: (s.sync(), second_done.set()))
+    second.start()
+    assert not second_done.wait(0.3), "a second sync returned while the first was running"
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert second_done.is_set()

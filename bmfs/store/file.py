@@ -70,6 +70,7 @@ class FileStore:
         self.dev = dev
         self._pending: set[str] = set()
         self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()
         self._direct = hasattr(os, "O_DIRECT")  # until the filesystem refuses it
         self.drop_behind = False  # see DROP_BEHIND
         self._check_marker(volume_uuid)
@@ -256,10 +257,21 @@ class FileStore:
     def fsid(self) -> int:
         return os.stat(self.path).st_dev
 
-    def sync(self, syncfs: bool = False) -> None:
+    def sync(self, syncfs: bool = False, others=()) -> None:
         """Make the fragments written since the last sync durable. ``syncfs=True``
         syncs the whole filesystem at once (the caller knows many files are pending
-        across devices sharing it)."""
+        across devices sharing it), and covers ``others``, stores on the same
+        filesystem, whose pending files it takes."""
+        # one at a time: a sync that finds nothing pending must still wait for the one
+        # running, which took its caller's files. The others' files are taken under
+        # this lock too, so whoever syncs this store after them waits for the syncfs
+        # (sync_many syncs a filesystem's stores in one order, this one first)
+        with self._sync_lock:
+            for other in others:
+                other.take_pending()
+            self._sync(syncfs)
+
+    def _sync(self, syncfs: bool) -> None:
         with self._lock:
             pending, self._pending = self._pending, set()
         if not pending and not syncfs:

@@ -66,6 +66,7 @@ class PoolStore:
         self.path, self.dev = path, dev
         self.drop_behind = False  # see file.DROP_BEHIND
         self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()
         _check_marker(path, volume_uuid, dev)
         self._pool_path = os.path.join(path, "pool")
         try:
@@ -341,11 +342,14 @@ class PoolStore:
             self._dirty = True
 
     def sync(self, syncfs: bool = False) -> None:
-        with self._lock:
-            dirty, self._dirty = self._dirty, False
-        if dirty:
-            os.fdatasync(self._fd)   # the data first ...
-            os.fdatasync(self._ifd)  # ... then the slots naming it
+        # one at a time: a sync that finds nothing new to do must still wait for the
+        # one running, which covers its caller's writes
+        with self._sync_lock:
+            with self._lock:
+                dirty, self._dirty = self._dirty, False
+            if dirty:
+                os.fdatasync(self._fd)   # the data first ...
+                os.fdatasync(self._ifd)  # ... then the slots naming it
 
     # -- reads --------------------------------------------------------------------------
     def _begin_read(self, name: str):

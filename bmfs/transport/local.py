@@ -113,9 +113,7 @@ class LocalTransport:
         for stores in groups.values():
             many = sum(s.pending() for s in stores) >= 32
             if many:  # one syncfs covers every device of this filesystem
-                for other in stores[1:]:
-                    other.take_pending()  # taken before the syncfs starts: covered by it
-                await self._call(stores[0].dev, "sync", True)
+                await self._call(stores[0].dev, "sync", True, stores[1:])
             else:
                 for st in stores:
                     await self._call(st.dev, "sync")

@@ -10,6 +10,7 @@ import struct
 
 from bmfs.data import fragment as fr
 from bmfs.store.pmem import SLOT_SIZE, unpack_slot
+from bmfs.store.pool import SPACE_SHIFT, SPACES
 
 Fragment = collections.namedtuple("Fragment", "sid idx dev path offset length")
 
@@ -27,11 +28,12 @@ def on_device(devdir: str, dev: int = -1) -> list[Fragment]:
     elif os.path.exists(os.path.join(devdir, "index")):
         with open(os.path.join(devdir, "index"), "rb") as f:
             raw = f.read()
-        pool = os.path.join(devdir, "pool")
         for at in range(0, len(raw) - SLOT_SIZE + 1, SLOT_SIZE):
             ent = unpack_slot(raw[at:at + SLOT_SIZE])
-            if ent is not None:
-                out.append(_fragment(ent[0], dev, pool, ent[1], ent[2]))
+            if ent is not None:  # an offset's top bits: which file of the pool
+                space, off = ent[1] >> SPACE_SHIFT, ent[1] & ((1 << SPACE_SHIFT) - 1)
+                out.append(_fragment(ent[0], dev, os.path.join(devdir, SPACES[space]),
+                                     off, ent[2]))
     return sorted(out)
 
 
@@ -70,7 +72,7 @@ def payload_area(f: Fragment) -> tuple[int, int]:
 def lose(f: Fragment) -> None:
     """The device loses the fragment: its file is gone, or its extent in the pool
     reads as zeros (no header: a read finds no such fragment there)."""
-    if f.offset == 0 and os.path.basename(f.path) != "pool":
+    if f.offset == 0 and os.path.basename(f.path) not in SPACES:
         os.unlink(f.path)
         return
     with open(f.path, "r+b") as fh:
@@ -87,7 +89,7 @@ def empty_device(devdir: str) -> None:
         for sub in os.listdir(frags):
             shutil.rmtree(os.path.join(frags, sub))
         return
-    for name in ("pool", "index"):
+    for name in ("index",) + SPACES:
         os.truncate(os.path.join(devdir, name), 0)
 
 

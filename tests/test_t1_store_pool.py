@@ -130,7 +130,7 @@ def test_a_read_in_flight_never_sees_another_fragments_bytes(tmp_path):
     # until that read ends
     s = make(tmp_path / "q")
     s.write(name, [data])
-    epoch, off, _ = s._begin_read(name)
+    epoch, _, off, _ = s._begin_read(name)
     s.delete(name)
     n2, d2 = fragment(7, 0, 200_000)
     s.write(n2, [d2])
@@ -273,3 +273,23 @@ def test_kill_9_during_writes_keeps_what_sync_promised(tmp_path):
         i = int(name.split(".")[0], 16)
         want = random.Random(i).randbytes(random.Random(i).randrange(4096, 1_200_000))
         assert s.read(name, 0, 1 << 30) == want, i
+
+
+def test_parity_fragments_live_apart_from_data(tmp_path):
+    """A sequential reader reads data fragments only; the kernel's read-ahead past
+    one must find the next data fragment, not parity it will never read."""
+    from fragments import on_device
+    s = make(tmp_path / "p")
+    frags = dict(fragment(sid, idx, 300_000) for sid in (1, 2) for idx in range(6))
+    for name, data in frags.items():
+        s.write(name, [data])
+    s.sync()
+    where = {(f.sid, f.idx): os.path.basename(f.path) for f in on_device(str(tmp_path / "p"))}
+    assert where == {(sid, idx): "pool" if idx < 4 else "parity"
+                     for sid in (1, 2) for idx in range(6)}
+    data_extents = sorted(f.offset for f in on_device(str(tmp_path / "p"))
+                          if f.path.endswith("pool"))
+    assert data_extents == [i * 303_104 for i in range(8)]  # back to back, no gaps
+    again = open_store(str(tmp_path / "p"), UUID, 0)
+    for name, data in frags.items():
+        assert again.read(name, 0, 1 << 30) == data

@@ -90,6 +90,13 @@ def header_names(buf, sid: int, index: int) -> bool:
     return magic == MAGIC and ver == VERSION and fsid == sid and idx == index
 
 
+def is_parity(buf) -> bool:
+    """Whether ``buf`` starts with the header of a parity fragment (index >= k)."""
+    if len(buf) < 8 or bytes(buf[:4]) != MAGIC:
+        return False
+    return buf[5] >= buf[6]
+
+
 def check_blocks(table, first_block: int, data, native=NATIVE) -> None:
     """Verify ``data``, which starts at block ``first_block`` of the payload.
     ``table``: the block checksums (a tuple, or an array of uint32 in machine order)."""

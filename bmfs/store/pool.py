@@ -45,6 +45,7 @@ import mmap
 import os
 import threading
 
+from ..data import fragment as fr
 from ..errors import VolumeError
 from . import file as _file
 from .pmem import SLOT_SIZE, pack_slot, unpack_slot
@@ -54,8 +55,102 @@ GROW = 256 << 20  # the pool file is extended this much at a time
 FORMAT = 2
 
 
+SPACE_SHIFT = 62  # a slot's offset: the space (0 data, 1 parity) above this bit
+SPACES = ("pool", "parity")  # their files
+
+
 def _round(n: int) -> int:
     return max(ALIGN, -(-n // ALIGN) * ALIGN)
+
+
+class _Space:
+    """One file of extents and its free space: holes below ``end`` (merged with their
+    neighbours; a hole reaching ``end`` moves it down), nothing allocated past ``end``,
+    the file ``size`` bytes long. Called with the store's lock held."""
+
+    def __init__(self, store, number: int, path: str):
+        self.store, self.number, self.path = store, number, path
+        self.fd = os.open(path, os.O_RDWR)
+        self.dfd = None  # opened O_DIRECT, for large writes
+        if hasattr(os, "O_DIRECT"):
+            try:
+                self.dfd = os.open(path, os.O_RDWR | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # tmpfs refuses O_DIRECT: buffered then
+                    raise
+        self.rfd = os.open(path, os.O_RDONLY)  # small reads, no read-ahead
+        try:
+            os.posix_fadvise(self.rfd, 0, 0, os.POSIX_FADV_RANDOM)
+        except OSError:
+            pass
+        self.size = os.fstat(self.fd).st_size
+        self.end = 0
+        self.by_off: list[int] = []  # offsets of free holes below end, sorted
+        self.hole: dict[int, int] = {}  # offset -> length
+        self.by_len: list[tuple[int, int]] = []  # (length, offset), sorted
+
+    def rebuild(self, used) -> None:
+        """Free space from the extents in use: ``used``, (offset, rounded length),
+        sorted and not overlapping."""
+        self.end = used[-1][0] + used[-1][1] if used else 0
+        pos = 0
+        for off, length in used:
+            if off > pos:
+                self.add_hole(pos, off - pos)
+            pos = off + length
+
+    def add_hole(self, off: int, length: int) -> None:
+        i = bisect.bisect_left(self.by_off, off)
+        if i > 0:
+            prev = self.by_off[i - 1]
+            if prev + self.hole[prev] == off:
+                off, length = prev, length + self.hole[prev]
+                self.drop_hole(prev)
+                i -= 1
+        if i < len(self.by_off):
+            nxt = self.by_off[i]
+            if off + length == nxt:
+                length += self.hole[nxt]
+                self.drop_hole(nxt)
+        if off + length >= self.end:
+            self.end = off
+            return
+        bisect.insort(self.by_off, off)
+        self.hole[off] = length
+        bisect.insort(self.by_len, (length, off))
+
+    def drop_hole(self, off: int) -> None:
+        length = self.hole.pop(off)
+        del self.by_off[bisect.bisect_left(self.by_off, off)]
+        del self.by_len[bisect.bisect_left(self.by_len, (length, off))]
+
+    def allocate(self, need: int) -> int:
+        """Offset of ``need`` free bytes (whole pages): the smallest hole that fits,
+        else the end of the file, lengthened if needed."""
+        i = bisect.bisect_left(self.by_len, (need, -1))
+        if i < len(self.by_len):
+            length, off = self.by_len[i]
+            self.drop_hole(off)
+            if length > need:
+                self.add_hole(off + need, length - need)
+            return off
+        off = self.end
+        if off + need > self.size:  # the file's length only: blocks come as written
+            grow = max(GROW, off + need - self.size)
+            try:
+                os.ftruncate(self.fd, self.size + grow)
+            except OSError as e:
+                raise OSError(e.errno, f"device {self.store.dev}: pool cannot grow: "
+                              f"{os.strerror(e.errno)}") from None
+            self.size += grow
+        self.end = off + need
+        return off
+
+    def close(self) -> None:
+        for fd in (self.fd, self.dfd, self.rfd):
+            if fd is not None:
+                os.close(fd)
+        self.fd = self.dfd = self.rfd = None
 
 
 class PoolStore:
@@ -68,28 +163,16 @@ class PoolStore:
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
         _check_marker(path, volume_uuid, dev)
-        self._pool_path = os.path.join(path, "pool")
         try:
-            self._fd = os.open(self._pool_path, os.O_RDWR)
             self._ifd = os.open(os.path.join(path, "index"), os.O_RDWR)
-            self._rfd = os.open(self._pool_path, os.O_RDONLY)  # small reads
+            self._spaces = [_Space(self, i, os.path.join(path, name))
+                            for i, name in enumerate(SPACES)]
         except OSError as e:
             raise VolumeError(f"device {dev} at {path}: pool unreadable: {e}")
-        try:
-            os.posix_fadvise(self._rfd, 0, 0, os.POSIX_FADV_RANDOM)
-        except OSError:
-            pass
-        self._dfd = None  # the pool opened O_DIRECT, for large writes
-        if hasattr(os, "O_DIRECT"):
-            try:
-                self._dfd = os.open(os.path.join(path, "pool"), os.O_RDWR | os.O_DIRECT)
-            except OSError as e:
-                if e.errno != errno.EINVAL:  # tmpfs refuses O_DIRECT: buffered then
-                    raise
         self._dirty = False
         self._epoch = 0                    # bumped by each free
         self._reading: dict[int, int] = {}  # epoch -> reads in flight that started in it
-        self._limbo: list[tuple[int, int, int]] = []  # (epoch freed, offset, length)
+        self._limbo: list[tuple[int, int, int]] = []  # (epoch freed, address, length)
         self._load()
 
     @staticmethod
@@ -98,7 +181,7 @@ class PoolStore:
         marker = os.path.join(path, "DEVICE")
         if os.path.exists(marker):
             raise VolumeError(f"{path} already belongs to a bmfs volume")
-        for name in ("pool", "index"):
+        for name in ("index",) + SPACES:
             fd = os.open(os.path.join(path, name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             os.fsync(fd)
             os.close(fd)
@@ -114,70 +197,64 @@ class PoolStore:
         finally:
             os.close(fd)
 
+    def _space(self, addr: int) -> tuple[_Space, int]:
+        return self._spaces[addr >> SPACE_SHIFT], addr & ((1 << SPACE_SHIFT) - 1)
+
     # -- the index and free space --------------------------------------------------------
     def _load(self) -> None:
         raw = _pread_all(self._ifd, os.fstat(self._ifd).st_size, 0)
-        live = []  # (offset, length, slot, name)
+        live = []  # (address, length, slot, name)
         self._free_slots: list[int] = []
         nslots = len(raw) // SLOT_SIZE
         for i in range(nslots):
             ent = unpack_slot(raw[i * SLOT_SIZE:(i + 1) * SLOT_SIZE])
-            if ent is None:
+            if ent is None or ent[1] >> SPACE_SHIFT >= len(SPACES):
                 self._free_slots.append(i)
             else:
-                name, off, length = ent
-                live.append((off, length, i, name))
+                name, addr, length = ent
+                live.append((addr, length, i, name))
         self._nslots = nslots
-        live.sort()
-        self._index: dict[str, tuple[int, int, int]] = {}  # name -> (slot, offset, length)
-        used = []  # (offset, rounded length), in order, not overlapping
-        for off, length, slot, name in live:
-            if used and off < used[-1][0] + used[-1][1] or name in self._index:
+        live.sort()  # by space, then offset
+        self._index: dict[str, tuple[int, int, int]] = {}  # name -> (slot, address, length)
+        used = []  # (address, rounded length), in order, not overlapping
+        for addr, length, slot, name in live:
+            if used and addr < used[-1][0] + used[-1][1] or name in self._index:
                 # two slots on one extent (a crash between a free and a reuse), or a
                 # name twice (a crash during a rewrite): keep what the data confirms
-                if not self._settle(name, off, length, slot, used):
+                if not self._settle(name, addr, length, slot, used):
                     continue
-            self._index[name] = (slot, off, length)
-            used.append((off, _round(length)))
-        self._size = os.fstat(self._fd).st_size  # allocated so far
-        self._end = used[-1][0] + used[-1][1] if used else 0  # nothing allocated past
-        self._by_off: list[int] = []  # offsets of free holes below _end, sorted
-        self._hole: dict[int, int] = {}  # offset -> length
-        self._by_len: list[tuple[int, int]] = []  # (length, offset), sorted
-        pos = 0
-        for off, length in used:
-            if off > pos:
-                self._add_hole(pos, off - pos)
-            pos = off + length
+            self._index[name] = (slot, addr, length)
+            used.append((addr, _round(length)))
+        for sp in self._spaces:
+            sp.rebuild([(a & ((1 << SPACE_SHIFT) - 1), n) for a, n in used
+                        if a >> SPACE_SHIFT == sp.number])
 
-    def _settle(self, name, off, length, slot, used) -> bool:
+    def _settle(self, name, addr, length, slot, used) -> bool:
         """A live slot that overlaps an earlier one, or repeats its name: keep the one
         whose fragment header names it (the other's extent was reused, or it was
         replaced); clear the loser's slot. True if the new slot wins."""
-        from ..data import fragment as fr
-
-        def names_itself(n, o, ln):
+        def names_itself(n, a):
             sid_hex, _, idx = n.partition(".")
+            sp, off = self._space(a)
             try:
-                return fr.header_names(os.pread(self._fd, fr.HEAD_FIXED, o),
+                return fr.header_names(os.pread(sp.fd, fr.HEAD_FIXED, off),
                                        int(sid_hex, 16), int(idx))
             except (ValueError, OSError):
                 return False
 
         if name in self._index:
-            old = self._index[name]
-            rival = (name, old)
+            rival = (name, self._index[name])
         else:
-            prev_off, prev_len = used[-1]
-            rival = next(((n, e) for n, e in self._index.items() if e[1] == prev_off), None)
+            prev = used[-1][0]
+            rival = next(((n, e) for n, e in self._index.items() if e[1] == prev), None)
         if rival is None:
             return False
-        rname, (rslot, roff, rlen) = rival
-        if names_itself(name, off, length) and not names_itself(rname, roff, rlen):
+        rname, (rslot, raddr, rlen) = rival
+        if names_itself(name, addr) and not names_itself(rname, raddr):
             del self._index[rname]
-            used.remove((roff, _round(rlen)))
+            used.remove((raddr, _round(rlen)))
             self._clear_slot(rslot)
-            if not used or off >= used[-1][0] + used[-1][1]:
+            if not used or addr >= used[-1][0] + used[-1][1]:
                 return True
         self._clear_slot(slot)
         return False
@@ -187,60 +264,16 @@ class PoolStore:
         self._free_slots.append(slot)
         self._dirty = True
 
-    def _add_hole(self, off: int, length: int) -> None:
-        """Free [off, off+length), merged with the holes beside it; a hole reaching
-        ``_end`` moves ``_end`` down instead."""
-        i = bisect.bisect_left(self._by_off, off)
-        if i > 0:
-            prev = self._by_off[i - 1]
-            if prev + self._hole[prev] == off:
-                off, length = prev, length + self._hole[prev]
-                self._drop_hole(prev)
-                i -= 1
-        if i < len(self._by_off):
-            nxt = self._by_off[i]
-            if off + length == nxt:
-                length += self._hole[nxt]
-                self._drop_hole(nxt)
-        if off + length >= self._end:
-            self._end = off
-            return
-        bisect.insort(self._by_off, off)
-        self._hole[off] = length
-        bisect.insort(self._by_len, (length, off))
-
-    def _drop_hole(self, off: int) -> None:
-        length = self._hole.pop(off)
-        del self._by_off[bisect.bisect_left(self._by_off, off)]
-        del self._by_len[bisect.bisect_left(self._by_len, (length, off))]
-
-    def _allocate(self, n: int) -> int:
-        """Offset of ``n`` free bytes (whole pages); the smallest hole that fits, else
-        the end of the pool, grown if needed. Called with the lock held."""
+    def _allocate(self, n: int, parity: bool) -> int:
+        """Address of ``n`` free bytes in the data or the parity space. Called with the
+        lock held."""
         self._release()
-        need = _round(n)
-        i = bisect.bisect_left(self._by_len, (need, -1))
-        if i < len(self._by_len):
-            length, off = self._by_len[i]
-            self._drop_hole(off)
-            if length > need:
-                self._add_hole(off + need, length - need)
-            return off
-        off = self._end
-        if off + need > self._size:  # the file's length only: blocks come as written
-            grow = max(GROW, off + need - self._size)
-            try:
-                os.ftruncate(self._fd, self._size + grow)
-            except OSError as e:
-                raise OSError(e.errno, f"device {self.dev}: pool cannot grow: "
-                              f"{os.strerror(e.errno)}") from None
-            self._size += grow
-        self._end = off + need
-        return off
+        sp = self._spaces[1 if parity else 0]
+        return sp.number << SPACE_SHIFT | sp.allocate(_round(n))
 
-    def _free(self, off: int, length: int) -> None:
+    def _free(self, addr: int, length: int) -> None:
         """Give an extent back once no read that may have looked it up is running."""
-        self._limbo.append((self._epoch, off, length))
+        self._limbo.append((self._epoch, addr, length))
         self._epoch += 1
         self._release()
 
@@ -249,11 +282,12 @@ class PoolStore:
             return
         oldest = min(self._reading) if self._reading else self._epoch
         keep = []
-        for epoch, off, length in self._limbo:
+        for epoch, addr, length in self._limbo:
             if epoch < oldest:
-                self._add_hole(off, _round(length))
+                sp, off = self._space(addr)
+                sp.add_hole(off, _round(length))
             else:
-                keep.append((epoch, off, length))
+                keep.append((epoch, addr, length))
         self._limbo = keep
 
     def _new_slot(self) -> int:
@@ -266,64 +300,67 @@ class PoolStore:
     def write(self, name: str, parts) -> None:
         total = sum(len(p) for p in parts)
         with self._lock:
-            off = self._allocate(total)
+            addr = self._allocate(total, fr.is_parity(parts[0] if parts else b""))
+        sp, off = self._space(addr)
         try:
-            if self._dfd is not None and total >= _file.DIRECT_MIN:
+            if sp.dfd is not None and total >= _file.DIRECT_MIN:
                 with _file.gathered(parts, total) as page:
-                    self._pwrite_direct(page, off)
+                    self._pwrite_direct(sp, page, off)
             else:
                 pos = off
                 for p in parts:
-                    _pwrite_all(self._fd, p, pos)
+                    _pwrite_all(sp.fd, p, pos)
                     pos += len(p)
         except BaseException:
             with self._lock:
-                self._free(off, total)
+                self._free(addr, total)
             raise
-        self._publish(name, off, total)
+        self._publish(name, addr, total)
 
     def write_aligned(self, name: str, buf) -> None:
         """``write(name, [buf])`` for a page-aligned buffer (a storage node's receive
         buffer): its whole pages go to the pool with O_DIRECT straight from it."""
-        if self._dfd is None:
+        if self._spaces[0].dfd is None:
             return self.write(name, [buf])
         total = len(buf)
         whole = total // ALIGN * ALIGN
         with self._lock:
-            off = self._allocate(total)
+            addr = self._allocate(total, fr.is_parity(buf))
+        sp, off = self._space(addr)
         try:
             if whole:
-                self._pwrite_direct(buf[:whole], off)
+                self._pwrite_direct(sp, buf[:whole], off)
             if total > whole:
                 page = memoryview(_file._aligned_buffer(ALIGN))[:ALIGN]
                 try:
                     page[:total - whole] = buf[whole:]
                     page[total - whole:] = bytes(ALIGN - (total - whole))
-                    self._pwrite_direct(page, off + whole)
+                    self._pwrite_direct(sp, page, off + whole)
                 finally:
                     page.release()
         except BaseException:
             with self._lock:
-                self._free(off, total)
+                self._free(addr, total)
             raise
-        self._publish(name, off, total)
+        self._publish(name, addr, total)
 
-    def _pwrite_direct(self, view, off: int) -> None:
+    @staticmethod
+    def _pwrite_direct(sp: _Space, view, off: int) -> None:
         try:
-            _pwrite_all(self._dfd, view, off)
+            _pwrite_all(sp.dfd, view, off)
         except OSError as e:
             if e.errno != errno.EINVAL:  # a buffer O_DIRECT refuses: through the cache
                 raise
-            _pwrite_all(self._fd, view, off)
+            _pwrite_all(sp.fd, view, off)
 
-    def _publish(self, name: str, off: int, total: int) -> None:
-        """Make the fragment written at ``off`` the one named ``name``: its slot, then
+    def _publish(self, name: str, addr: int, total: int) -> None:
+        """Make the fragment written at ``addr`` the one named ``name``: its slot, then
         the index; a fragment it replaces is freed."""
         with self._lock:
             old = self._index.get(name)
             slot = self._new_slot()
-            os.pwrite(self._ifd, pack_slot(name, off, total), slot * SLOT_SIZE)
-            self._index[name] = (slot, off, total)
+            os.pwrite(self._ifd, pack_slot(name, addr, total), slot * SLOT_SIZE)
+            self._index[name] = (slot, addr, total)
             if old is not None:
                 os.pwrite(self._ifd, bytes(SLOT_SIZE), old[0] * SLOT_SIZE)
                 self._free_slots.append(old[0])
@@ -335,10 +372,10 @@ class PoolStore:
             ent = self._index.pop(name, None)
             if ent is None:
                 return
-            slot, off, length = ent
+            slot, addr, length = ent
             os.pwrite(self._ifd, bytes(SLOT_SIZE), slot * SLOT_SIZE)
             self._free_slots.append(slot)
-            self._free(off, length)
+            self._free(addr, length)
             self._dirty = True
 
     def sync(self, syncfs: bool = False) -> None:
@@ -348,7 +385,8 @@ class PoolStore:
             with self._lock:
                 dirty, self._dirty = self._dirty, False
             if dirty:
-                os.fdatasync(self._fd)   # the data first ...
+                for sp in self._spaces:  # the data first ...
+                    os.fdatasync(sp.fd)
                 os.fdatasync(self._ifd)  # ... then the slots naming it
 
     # -- reads --------------------------------------------------------------------------
@@ -359,7 +397,8 @@ class PoolStore:
                 raise FileNotFoundError(errno.ENOENT, f"no fragment {name}", name)
             epoch = self._epoch
             self._reading[epoch] = self._reading.get(epoch, 0) + 1
-        return epoch, ent[1], ent[2]
+        sp, off = self._space(ent[1])
+        return epoch, sp, off, ent[2]
 
     def _end_read(self, epoch: int) -> None:
         with self._lock:
@@ -373,10 +412,12 @@ class PoolStore:
         """Small reads use one descriptor that asks for no read-ahead (a 4 KiB read
         reads 4 KiB); large ones, sequential readers', open their own, whose
         read-ahead state no other reader disturbs (on one shared descriptor, 1 GiB
-        read cold went from ~700 to ~420 MB/s)."""
-        epoch, base, length = self._begin_read(name)
+        read cold went from ~700 to ~420 MB/s). Read-ahead running past a fragment
+        finds the device's next data fragment, which such a reader wants soon:
+        parity fragments live in a file of their own."""
+        epoch, sp, base, length = self._begin_read(name)
         large = sum(n for _, n in ranges) >= _file.DROP_BEHIND
-        fd = os.open(self._pool_path, os.O_RDONLY) if large else self._rfd
+        fd = os.open(sp.path, os.O_RDONLY) if large else sp.rfd
         try:
             out = []
             for o, n in ranges:
@@ -400,12 +441,12 @@ class PoolStore:
 
     def extent(self, name: str):
         """``(fd, offset, length, release)`` of the fragment, for sendfile: a
-        descriptor of the pool of its own, and ``release()`` to call when done, which
+        descriptor of its file of its own, and ``release()`` to call when done, which
         closes it and lets the extent be reused (until then it is held, like a read).
         Raises FileNotFoundError if there is no such fragment."""
-        epoch, base, length = self._begin_read(name)
+        epoch, sp, base, length = self._begin_read(name)
         try:
-            fd = os.open(self._pool_path, os.O_RDONLY)
+            fd = os.open(sp.path, os.O_RDONLY)
         except BaseException:
             self._end_read(epoch)
             raise
@@ -425,7 +466,8 @@ class PoolStore:
     def usage(self) -> dict:
         st = os.statvfs(self.path)
         with self._lock:  # freed extents hold blocks the filesystem counts as used
-            reusable = sum(self._hole.values()) + sum(n for _, _, n in self._limbo)
+            reusable = sum(sum(sp.hole.values()) for sp in self._spaces) \
+                + sum(n for _, _, n in self._limbo)
         return {"total": st.f_blocks * st.f_frsize,
                 "free": st.f_bavail * st.f_frsize + reusable,
                 "fsid": os.stat(self.path).st_dev, "layout": "pool"}
@@ -435,13 +477,14 @@ class PoolStore:
             raise VolumeError(f"device {self.dev} at {self.path} is missing")
 
     def close(self) -> None:
-        for fd in (self._fd, self._ifd, self._dfd, self._rfd):
-            if fd is not None:
-                os.close(fd)
-        self._fd = self._ifd = self._dfd = self._rfd = None
+        if self._ifd is not None:
+            os.close(self._ifd)
+            self._ifd = None
+            for sp in self._spaces:
+                sp.close()
 
     def __del__(self):
-        if getattr(self, "_fd", None) is not None:
+        if getattr(self, "_ifd", None) is not None and hasattr(self, "_spaces"):
             try:
                 self.close()
             except OSError:

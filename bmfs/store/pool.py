@@ -1,47 +1,49 @@
-"""A device that is a directory holding one growing pool file of fragments (format 2).
+"""A device that is a directory holding its fragments in two growing pool files
+(format 2, ``bmfs mkfs --layout pool``; docs/formats.md).
 
 A directory of fragment files (``file.py``) makes the device's filesystem create,
-allocate and journal a file per fragment; on this VM's disk that caps a 4+2 writer at
-~1.5x less than writing the same bytes into one preallocated file, and ~3x less than
-rewriting space already written once (measured: docs/benchmarks.md). A pool keeps
-fragments as extents of one file and reuses freed extents, as 3FS's chunk engine and
-Ceph's BlueStore do on a raw device.
+allocate and journal a file per fragment; on this VM's disk that wrote ~1.3x slower
+than writing the same bytes into one new file, and ~3x slower than rewriting blocks
+written before (docs/benchmarks.md). A pool keeps fragments as extents of a file and
+reuses freed extents, as 3FS's chunk engine and Ceph's BlueStore do on a raw device.
 
 Layout of the directory:
 
 - ``DEVICE``: JSON, ``{"volume", "device", "format": 2, "layout": "pool"}``.
-- ``pool``: fragment data. Extents start on 4 KiB boundaries and take whole 4 KiB
-  pages. The file's length grows by ``GROW`` bytes at a time (``ftruncate``: its
-  blocks are allocated as fragments are written; ``posix_fallocate`` of 256 MiB under
-  the allocation lock stalled every writer of the device for up to 2 s); freed
-  extents are merged with their neighbours and used again, best fit first, so a
-  rewrite lands on blocks already allocated.
+- ``pool``: the data fragments; ``parity``: the parity fragments (index >= k in the
+  fragment header). Apart, so the kernel's read-ahead past a data fragment reads the
+  device's next data fragment, which a sequential reader wants, and not parity.
+  Extents start on 4 KiB boundaries and take whole 4 KiB pages. A file's length
+  grows by ``GROW`` bytes at a time (``ftruncate``: blocks are allocated as fragments
+  are written; ``posix_fallocate`` of 256 MiB under the allocation lock stalled every
+  writer of the device for up to 2 s). Freed extents are merged with their
+  neighbours and used again, best fit first, so a rewrite lands on blocks already
+  allocated.
 - ``index``: 64-byte slots, the encoding of the pmem pool's index (``pmem.py``):
-  state (1 = live), name, data offset, length, crc32c of the slot. A fragment is
-  written to its extent first, then its slot; a deleted fragment's slot is zeroed.
-  At open the live slots are the whole truth: free space is what they leave.
+  state (1 = live), name, offset (its top bits: which file), length, crc32c of the
+  slot. A fragment is written to its extent first, then its slot; a deleted
+  fragment's slot is zeroed. At open the live slots are the whole truth: free space
+  is what they leave.
 
 Durability is that of the fragment-file layout: ``write`` returns once the data is
 written (O_DIRECT where the filesystem allows it: no page-cache copy) and its slot is
 in the page cache; ``sync`` makes every write and delete since the last one durable
-(fdatasync of the pool, then of the index, so a slot never reaches the disk before
-the data it names). A crash before ``sync`` may leave a slot whose data is torn, which
-fails its checksums like a torn fragment file; or, when an extent freed before the
-crash was already written again, two live slots on one extent: ``_load`` keeps the
-one whose header names it and clears the other.
+(fdatasync of the data files, then of the index, so a slot never reaches the disk
+before the data it names). A crash before ``sync`` may leave a slot whose data is
+torn, which fails its checksums like a torn fragment file; or, when an extent freed
+before the crash was already written again, two live slots on one extent: ``_load``
+keeps the one whose header names it and clears the other.
 
-Reads are buffered preads of the pool (small ones through one descriptor, with no
-open per read; see ``read_parts``). An extent is
-given back to the allocator only once every read that could have looked it up has
-finished (read epochs), so a read racing a delete sees the old bytes or no fragment,
-never another fragment's.
+Reads are buffered preads (see ``read_parts``). An extent is given back to the
+allocator only once every read that could have looked it up has finished (read
+epochs), so a read racing a delete sees the old bytes or no fragment, never another
+fragment's.
 """
 from __future__ import annotations
 
 import bisect
 import errno
 import json
-import mmap
 import os
 import threading
 
@@ -53,8 +55,6 @@ from .pmem import SLOT_SIZE, pack_slot, unpack_slot
 ALIGN = 4096
 GROW = 256 << 20  # the pool file is extended this much at a time
 FORMAT = 2
-
-
 SPACE_SHIFT = 62  # a slot's offset: the space (0 data, 1 parity) above this bit
 SPACES = ("pool", "parity")  # their files
 

@@ -1,6 +1,7 @@
 """bmfs cluster up DIR --nodes N [--ec K+M] | bmfs cluster start DIR [--node I] |
 bmfs cluster down DIR"""
 from ..config import parse_ec
+from ..store.pmem import LAYOUTS
 
 
 def add_parser(sub):
@@ -14,7 +15,7 @@ def add_parser(sub):
     u.add_argument("--meta", default="sqlite", help="sqlite (default) or etcd")
     u.add_argument("--domains", type=int, default=0,
                    help="put node i in failure domain i %% N (default: each node its own)")
-    u.add_argument("--layout", choices=("pool", "files"), default=None,
+    u.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="how each node's device keeps fragments (as bmfs mkfs --layout)")
     u.set_defaults(func=run_up)
     r = cs.add_parser("start", help="start every node and etcd member that is not running "

@@ -2,6 +2,7 @@
 import trio
 
 from ..config import parse_ec
+from ..store.pmem import LAYOUTS
 
 
 def add_parser(sub):
@@ -12,9 +13,9 @@ def add_parser(sub):
                    help="a device directory; give exactly K+M (default: inside VOLUME)")
     p.add_argument("--meta", help="metadata URL (default sqlite:VOLUME/meta.db)")
     p.add_argument("--fragment-size", type=int, default=1 << 20, help=argparse_help())
-    p.add_argument("--layout", choices=("pool", "files"), default=None,
-                   help="how a device directory keeps fragments: one growing pool file "
-                        "(pool) or a file per fragment (files); default: %s" % _default())
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="how a device directory keeps fragments: pool files (pool) or a "
+                        "file per fragment (files); default: %s" % _default())
     p.set_defaults(func=run)
 
 
@@ -33,6 +34,6 @@ def run(args) -> int:
     if args.fragment_size < 4096 or args.fragment_size % 4096:
         raise ValueError("--fragment-size must be a multiple of 4096")
     s = trio.run(lambda: mkfs(args.volume, k, m, args.device or None, args.meta,
-                              args.fragment_size, layout=args.layout or _default()))
+                              args.fragment_size, layout=args.layout))
     print(f"created volume {args.volume} ({s.k}+{s.m}, uuid {s.uuid})")
     return 0

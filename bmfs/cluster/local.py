@@ -73,7 +73,7 @@ def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None,
        domains: int = 0, layout: str | None = None) -> dict:
     """Start ``nodes`` nodes; with ``domains`` > 0, node i is in failure domain
     ``d{i % domains}`` (placement spreads a stripe's fragments over domains first)."""
-    from ..vfs.volume import DEFAULT_LAYOUT, mkfs
+    from ..vfs.volume import mkfs
     if os.path.exists(os.path.join(directory, CLUSTER_FILE)):
         raise VolumeError(f"{directory} already holds a cluster (bmfs cluster down first)")
     if nodes < k + m:
@@ -89,8 +89,7 @@ def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None,
     addrs = [f"127.0.0.1:{p}" for p in ports]
     doms = [f"d{i % domains}" for i in range(nodes)] if domains else None
     settings = trio.run(lambda: mkfs(directory, k, m, devices=paths, meta=meta,
-                                     nodes=addrs, domains=doms,
-                                     layout=layout or DEFAULT_LAYOUT))
+                                     nodes=addrs, domains=doms, layout=layout))
     info = {"volume": os.path.abspath(directory), "uuid": settings.uuid, "ec": f"{k}+{m}",
             "meta": meta or f"sqlite:{os.path.abspath(directory)}/meta.db", "nodes": []}
     try:

@@ -64,6 +64,43 @@ def gathered(parts, total: int):
         view.release()
 
 
+@contextlib.contextmanager
+def direct_pages(buf):
+    """A page-aligned buffer as pages for O_DIRECT: its whole pages in place, then its
+    last partial page copied into a zero-padded page of this thread's buffer."""
+    whole = len(buf) // DIRECT_ALIGN * DIRECT_ALIGN
+    tail = len(buf) - whole
+    pages = [buf[:whole]] if whole else []
+    page = None
+    if tail:
+        page = memoryview(_aligned_buffer(DIRECT_ALIGN))[:DIRECT_ALIGN]
+        page[:tail] = buf[whole:]
+        page[tail:] = bytes(DIRECT_ALIGN - tail)
+        pages.append(page)
+    try:
+        yield pages
+    finally:
+        if page is not None:
+            page.release()
+
+
+def check_marker(path: str, volume_uuid: str, dev: int, fmt: int) -> dict:
+    """The device directory's DEVICE marker, checked: it must exist, name this volume
+    and device, and be of format ``fmt``; VolumeError (one line) otherwise."""
+    try:
+        with open(os.path.join(path, "DEVICE")) as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        raise VolumeError(f"device {dev} at {path} is missing (no DEVICE marker)")
+    except (OSError, ValueError) as e:
+        raise VolumeError(f"device {dev} at {path} is unreadable: {e}")
+    if info.get("volume") != volume_uuid or info.get("device") != dev:
+        raise VolumeError(f"{path} belongs to another volume or device")
+    if info.get("format") != fmt:
+        raise VolumeError(f"device {dev} at {path}: unknown format {info.get('format')}")
+    return info
+
+
 class FileStore:
     def __init__(self, path: str, volume_uuid: str, dev: int):
         self.path = path
@@ -73,7 +110,7 @@ class FileStore:
         self._sync_lock = threading.Lock()
         self._direct = hasattr(os, "O_DIRECT")  # until the filesystem refuses it
         self.drop_behind = False  # see DROP_BEHIND
-        self._check_marker(volume_uuid)
+        check_marker(path, volume_uuid, dev, 1)
 
     @staticmethod
     def format(path: str, volume_uuid: str, dev: int) -> None:
@@ -86,20 +123,6 @@ class FileStore:
             json.dump({"volume": volume_uuid, "device": dev, "format": 1}, f)
             f.flush()
             os.fsync(f.fileno())
-
-    def _check_marker(self, volume_uuid):
-        try:
-            with open(os.path.join(self.path, "DEVICE")) as f:
-                info = json.load(f)
-        except FileNotFoundError:
-            raise VolumeError(f"device {self.dev} at {self.path} is missing (no DEVICE marker)")
-        except (OSError, ValueError) as e:
-            raise VolumeError(f"device {self.dev} at {self.path} is unreadable: {e}")
-        if info.get("volume") != volume_uuid or info.get("device") != self.dev:
-            raise VolumeError(f"{self.path} belongs to another volume or device")
-        if info.get("format") != 1:
-            raise VolumeError(f"device {self.dev} at {self.path}: unknown format "
-                              f"{info.get('format')}")
 
     def _file(self, name: str) -> str:
         sid_hex = name.split(".", 1)[0]
@@ -190,21 +213,9 @@ class FileStore:
         the PUT is acknowledged anyway. Falls back to ``write`` where O_DIRECT is
         refused."""
         path = self._file(name)
-        whole = len(buf) // DIRECT_ALIGN * DIRECT_ALIGN
-        tail = len(buf) - whole
-        pages = [buf[:whole]] if whole else []
-        page = None
-        if tail:
-            page = memoryview(_aligned_buffer(DIRECT_ALIGN))[:DIRECT_ALIGN]
-            page[:tail] = buf[whole:]
-            page[tail:] = bytes(DIRECT_ALIGN - tail)
-            pages.append(page)
-        try:
+        with direct_pages(buf) as pages:
             if not self._write_direct(path, pages, len(buf)):
                 return self.write(name, [buf])
-        finally:
-            if page is not None:
-                page.release()
         with self._lock:
             self._pending.add(path)
 

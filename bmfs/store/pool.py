@@ -162,7 +162,7 @@ class PoolStore:
         self.drop_behind = False  # see file.DROP_BEHIND
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
-        _check_marker(path, volume_uuid, dev)
+        _file.check_marker(path, volume_uuid, dev, FORMAT)
         try:
             self._ifd = os.open(os.path.join(path, "index"), os.O_RDWR)
             self._spaces = [_Space(self, i, os.path.join(path, name))
@@ -323,21 +323,14 @@ class PoolStore:
         if self._spaces[0].dfd is None:
             return self.write(name, [buf])
         total = len(buf)
-        whole = total // ALIGN * ALIGN
         with self._lock:
             addr = self._allocate(total, fr.is_parity(buf))
         sp, off = self._space(addr)
         try:
-            if whole:
-                self._pwrite_direct(sp, buf[:whole], off)
-            if total > whole:
-                page = memoryview(_file._aligned_buffer(ALIGN))[:ALIGN]
-                try:
-                    page[:total - whole] = buf[whole:]
-                    page[total - whole:] = bytes(ALIGN - (total - whole))
-                    self._pwrite_direct(sp, page, off + whole)
-                finally:
-                    page.release()
+            with _file.direct_pages(buf) as pages:
+                for page in pages:
+                    self._pwrite_direct(sp, page, off)
+                    off += len(page)
         except BaseException:
             with self._lock:
                 self._free(addr, total)
@@ -489,20 +482,6 @@ class PoolStore:
                 self.close()
             except OSError:
                 pass
-
-
-def _check_marker(path: str, volume_uuid: str, dev: int) -> None:
-    try:
-        with open(os.path.join(path, "DEVICE")) as f:
-            info = json.load(f)
-    except FileNotFoundError:
-        raise VolumeError(f"device {dev} at {path} is missing (no DEVICE marker)")
-    except (OSError, ValueError) as e:
-        raise VolumeError(f"device {dev} at {path} is unreadable: {e}")
-    if info.get("volume") != volume_uuid or info.get("device") != dev:
-        raise VolumeError(f"{path} belongs to another volume or device")
-    if info.get("format") != FORMAT or info.get("layout") != "pool":
-        raise VolumeError(f"device {dev} at {path}: unknown format {info.get('format')}")
 
 
 def is_pool(path: str) -> bool:

@@ -48,9 +48,11 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
                meta: str | None = None, fragment_size: int = 1 << 20,
                nodes: list[str] | None = None,
                domains: list[str] | None = None,
-               layout: str = DEFAULT_LAYOUT) -> VolumeSettings:
+               layout: str | None = None) -> VolumeSettings:
     """Create a volume in directory ``path``. Raises VolumeError if one is there already.
-    ``layout``: how device directories keep fragments (store/pmem.py LAYOUTS)."""
+    ``layout``: how device directories keep fragments (store/pmem.py LAYOUTS; default
+    DEFAULT_LAYOUT)."""
+    layout = layout or DEFAULT_LAYOUT
     if os.path.exists(os.path.join(path, VOLUME_FILE)):
         raise VolumeError(f"{path} already holds a bmfs volume")
     if layout not in LAYOUTS:

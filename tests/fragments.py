@@ -60,13 +60,20 @@ def flip(f: Fragment, at: int) -> None:
         fh.write(bytes([b[0] ^ 0xFF]))
 
 
+def revision(f: Fragment) -> int:
+    """The fragment format revision its header says (data/fragment.py)."""
+    with open(f.path, "rb") as fh:
+        fh.seek(f.offset + 4)
+        return fh.read(1)[0]
+
+
 def payload_area(f: Fragment) -> tuple[int, int]:
     """(start, length) of the fragment's payload, from its header (data/fragment.py)."""
     with open(f.path, "rb") as fh:
         fh.seek(f.offset)
         head = fh.read(32)
-    plen, _bsize, nblocks = struct.unpack_from("<III", head, 16)
-    return 32 + 4 * nblocks, plen
+    plen = struct.unpack_from("<I", head, 16)[0]
+    return fr.geometry(head[4], plen).data_offset, plen
 
 
 def lose(f: Fragment) -> None:
@@ -102,11 +109,11 @@ def intact(f: Fragment) -> bool:
         if len(raw) < fr.HEAD_FIXED:
             return False
         plen = struct.unpack_from("<I", raw, 16)[0]
-        table = fr.parse_header(raw, f.sid, f.idx, plen)
-        start = fr.header_length(plen)
-        if len(raw) != start + plen:
+        geo = fr.geometry(raw[4], plen)
+        table = fr.parse_header(raw, f.sid, f.idx, plen, geo.version)
+        if len(raw) != geo.data_offset + plen:
             return False
-        fr.check_blocks(table, 0, raw[start:])
+        fr.check_blocks(table, 0, raw[geo.data_offset:], geo.version)
     except fr.CorruptFragment:
         return False
     return True

@@ -27,25 +27,56 @@ def test_decode_from_any_k(k, m, size):
         assert c.decode([frags[i] for i in pick]) == data
 
 
-def test_fragment_header_roundtrip_and_corruption():
+@pytest.mark.parametrize("version", [1, 2])
+def test_fragment_header_roundtrip_and_corruption(version):
     payload = os.urandom(3 * fr.BLOCK + 123)
-    head = fr.build_header(77, 3, 4, 2, payload)
-    assert len(head) == fr.header_length(len(payload))
-    table = fr.parse_header(head, 77, 3, len(payload))
-    fr.check_blocks(table, 0, payload)
-    fr.check_blocks(table, 2, payload[2 * fr.BLOCK:])
-    bad = bytearray(payload)
-    bad[fr.BLOCK + 5] ^= 1
-    with pytest.raises(fr.CorruptFragment, match="block 1"):
-        fr.check_blocks(table, 0, bad)
+    geo = fr.geometry(version, len(payload))
+    head = fr.build_header(77, 3, 4, 2, payload, version)
+    assert len(head) == geo.data_offset
+    table = fr.parse_header(head, 77, 3, len(payload), version)
+    assert len(table) == geo.blocks == (4 if version == 1 else 5)
+    fr.check_blocks(table, 0, payload, version)
+    fr.check_blocks(table, 2, payload[geo.block_start(2):], version)
+    for j in range(geo.blocks):  # every block is checked, block 0 (short in 2) too
+        bad = bytearray(payload)
+        bad[geo.block_start(j)] ^= 1
+        with pytest.raises(fr.CorruptFragment, match=f"block {j}"):
+            fr.check_blocks(table, 0, bad, version)
     with pytest.raises(fr.CorruptFragment, match="another fragment"):
-        fr.parse_header(head, 78, 3, len(payload))
+        fr.parse_header(head, 78, 3, len(payload), version)
+    with pytest.raises(fr.CorruptFragment, match="revision"):  # the record says otherwise
+        fr.parse_header(head, 77, 3, len(payload), 3 - version)
     h = bytearray(head)
     h[40] ^= 0xFF  # inside the block table
     with pytest.raises(fr.CorruptFragment, match="header checksum"):
-        fr.parse_header(bytes(h), 77, 3, len(payload))
+        fr.parse_header(bytes(h), 77, 3, len(payload), version)
     with pytest.raises(fr.CorruptFragment, match="truncated"):
-        fr.parse_header(head[:20], 77, 3, len(payload))
+        fr.parse_header(head[:20], 77, 3, len(payload), version)
+
+
+@pytest.mark.parametrize("size", [1, 4096, 100_000, 4 << 20])
+def test_revision_2_puts_stripe_data_on_pages_of_the_file(size):
+    """A 4 KiB read at a 4 KiB offset of the stripe is one page of the fragment file
+    and one checksum block (revision 1: two blocks, over three pages)."""
+    frags = codec(4, 2).encode(os.urandom(size))
+    plen = len(frags[0])
+    geo = fr.geometry(2, plen)
+    assert (geo.data_offset + LIB_HEADER) % 4096 == 0
+    assert geo.data_offset >= geo.table_end
+    for x in range(0, plen - LIB_HEADER, 4096):  # stripe data offset x of this fragment
+        n = min(4096, plen - LIB_HEADER - x)
+        b0, start, length = geo.span(LIB_HEADER + x, n)
+        assert (start, length) == (LIB_HEADER + x, n)
+        assert (geo.data_offset + start) % 4096 == 0
+    old = fr.geometry(1, plen)
+    if plen > 8192:
+        assert old.span(LIB_HEADER + 4096, 4096)[2] == 8192
+    # every payload byte is in exactly one block, blocks in order, none empty
+    for g in (geo, old):
+        starts = [g.block_start(j) for j in range(g.blocks + 1)]
+        assert starts[0] == 0 and starts[-1] == plen and starts == sorted(set(starts))
+        assert all(g.block_of(starts[j]) == j and g.block_of(starts[j + 1] - 1) == j
+                   for j in range(g.blocks))
 
 
 def test_records_roundtrip():
@@ -53,8 +84,11 @@ def test_records_roundtrip():
     assert Inode.unpack(i.pack()) == i
     sl = [Slice(0, 10, 5, 0), Slice(4, 2, 6, 100)]
     assert unpack_slices(pack_slices(sl)) == sl
-    st = Stripe(1, 5000, 2, 4, 2, 1330, [0, 1, 2, 3, 4, 0xFFFF])
+    st = Stripe(1, 5000, 2, 4, 2, 1330, [0, 1, 2, 3, 4, 0xFFFF], frag_version=2)
     assert Stripe.unpack(st.pack()) == st
+    old = bytearray(st.pack())  # a record written before revision 2 has a 0 there
+    old[3] = 0
+    assert Stripe.unpack(bytes(old)).frag_version == 1
     inl = Stripe(0, 3, 1, data=b"abc")
     assert Stripe.unpack(inl.pack()) == inl
 

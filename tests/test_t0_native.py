@@ -101,29 +101,37 @@ def test_block_table_both_paths(size):
     data = random.Random(size).randbytes(size)
     want = b"".join(struct.pack("<I", crc32c(data[i:i + fr.BLOCK]))
                     for i in range(0, size, fr.BLOCK))
-    assert fr.block_table(data, native=None) == want
+    # revision 2: pyeclib's header is block 0, the stripe data's pages the others
+    cut = min(LIB_HEADER, size)
+    want2 = struct.pack("<I", crc32c(data[:cut])) + b"".join(
+        struct.pack("<I", crc32c(data[i:i + fr.BLOCK])) for i in range(cut, size, fr.BLOCK))
+    assert fr.block_table(data, 1, native=None) == want
+    assert fr.block_table(data, 2, native=None) == want2
     if NATIVE is not None:
-        assert fr.block_table(data) == want
+        assert fr.block_table(data, 1) == want
+        assert fr.block_table(data, 2) == want2
         # parts are one stream: a fragment's table spans liberasurecode's header
-        cut = min(LIB_HEADER, size)
         assert NATIVE.crc32c_blocks([data[:cut], memoryview(data)[cut:]], fr.BLOCK) == want
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("native", [None, NATIVE], ids=["python", "native"])
-def test_corrupt_block_is_named_on_both_paths(native):
+def test_corrupt_block_is_named_on_both_paths(native, version):
     import array
     payload = random.Random(3).randbytes(6 * fr.BLOCK + 99)
-    table = fr.parse_header(fr.build_header(9, 1, 4, 2, payload), 9, 1, len(payload))
+    geo = fr.geometry(version, len(payload))
+    table = fr.parse_header(fr.build_header(9, 1, 4, 2, payload, version), 9, 1,
+                            len(payload), version)
     as_array = array.array("I", table)  # what the data client keeps
     for t in (table, as_array):
-        fr.check_blocks(t, 0, payload, native=native)
-        fr.check_blocks(t, 2, payload[2 * fr.BLOCK:], native=native)
+        fr.check_blocks(t, 0, payload, version, native=native)
+        fr.check_blocks(t, 2, payload[geo.block_start(2):], version, native=native)
         bad = bytearray(payload)
-        bad[4 * fr.BLOCK + 7] ^= 0x40
+        bad[geo.block_start(4) + 7] ^= 0x40
         with pytest.raises(fr.CorruptFragment, match="block 4"):
-            fr.check_blocks(t, 0, bad, native=native)
+            fr.check_blocks(t, 0, bad, version, native=native)
         with pytest.raises(fr.CorruptFragment, match="block 4"):
-            fr.check_blocks(t, 3, bytes(bad[3 * fr.BLOCK:]), native=native)
+            fr.check_blocks(t, 3, bytes(bad[geo.block_start(3):]), version, native=native)
 
 
 @needs_native

@@ -15,6 +15,7 @@ import trio
 
 from bmfs.data.client import DataClient
 from bmfs.data import fragment as fr
+from bmfs.data.codec import LIB_HEADER
 from bmfs.node.protocol import BlockingConnection, Connection, PREFIX
 from bmfs.node.server import NodeServer
 from bmfs.store.file import FileStore
@@ -99,9 +100,9 @@ def test_roundtrip_ranges_and_table_cache(tmp_path):
         assert len(asked) == 1 and len(asked[0][1]) == 1
         # corruption after the table was cached is still caught, and never returned
         path = nodes.stores[st.devices[0]]._file(fr.fragment_name(7, 0))
-        hlen = fr.header_length(st.frag_len)
+        geo = fr.geometry(st.frag_version, st.frag_len)
         with open(path, "r+b") as f:
-            f.seek(hlen + 8192 + 100)
+            f.seek(geo.data_offset + 8192 + 100)
             f.write(b"\xde\xad")
         assert bytes(await client.read(7, st, 8192, 4096)) == data[8192:12288]
         assert client.stats["corrupt_fragments"] == 1 and client.stats["degraded_reads"] == 1
@@ -185,6 +186,38 @@ def test_degraded_streaming_reads_fetch_k_fragments_once(tmp_path):
         fetched = [name for name, _ in nodes.reads]
         assert len(fetched) == 4 and len(set(fetched)) == 4
         assert fr.fragment_name(10, st2.devices.index(dead)) not in fetched
+
+
+def test_small_reads_of_a_dead_node_rebuild_just_their_range(tmp_path):
+    """With a data fragment's node dead, a small read is rebuilt from the same range of
+    k other fragments: k small READs, not k whole fragments, and the bytes are exact
+    at every alignment (in a block, across blocks, the fragment's first and last)."""
+    data = os.urandom((4 << 20) - 5000)
+
+    async def body(nodes, client):
+        st = await client.write_stripe(21, data)
+        bs = st.frag_len - LIB_HEADER
+        dead = st.devices[1]
+        nodes.stop(dead)
+        for conn in nodes.transport.device_node[dead].idle:
+            conn.close()
+        nodes.transport.device_node[dead].idle.clear()
+        nodes.spy_reads()
+        cases = [(bs + 5, 10), (bs + 4096, 4096), (bs + 4000, 5000), (bs, 1),
+                 (2 * bs - 7, 7), (bs + 12345, 60_000)]
+        for off, n in cases:
+            assert bytes(await client.read(21, st, off, n)) == data[off:off + n], (off, n)
+        assert client.stats["ranges_rebuilt"] == len(cases)
+        assert client.stats["degraded_reads"] == len(cases) and not client._decoded
+        assert nodes.reads and all(sum(n for _, n in ranges) <= 72 << 10
+                                   for _, ranges in nodes.reads)
+        # only the first read asked the dead node (and found it dead)
+        assert [name for name, _ in nodes.reads].count(fr.fragment_name(21, 1)) == 1
+        # a read spanning two fragments still decodes the stripe (and keeps it)
+        off = bs - 100
+        assert bytes(await client.read(21, st, off, 200)) == data[off:off + 200]
+        assert client.stats["ranges_rebuilt"] == len(cases) and 21 in client._decoded
+    run_with_nodes(tmp_path, body)
 
 
 def test_hedged_read_avoids_the_slow_node(tmp_path):

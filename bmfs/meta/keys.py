@@ -17,7 +17,8 @@ y/<layer:08x>                          JSON layer record: parent layer, frozen f
 b/<branch name>                        JSON branch: head layer, created, from
 n/<snapshot name>                      JSON snapshot: layer, created, branch
 t/<stripe:016x>                        stripe record (records.Stripe): refs, length,
-                                       inline data or fragment size + device per index
+                                       inline data or fragment size, revision +
+                                       device per index
 g/<stripe:016x>                        stripe whose fragments are to be deleted (GC queue)
 h/<stripe:016x>/<index:02x>            fragment known missing/corrupt, awaiting repair
 i/<ino:016x>@L                         inode attributes (records.Inode)

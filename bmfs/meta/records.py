@@ -181,7 +181,9 @@ class Stripe:
     """A stripe: immutable data, either inline in the metadata or erasure-coded.
 
     ``frag_len`` is the length of each pyeclib fragment (its 80-byte header included);
-    ``devices[i]`` holds fragment i (NO_DEVICE if it could not be stored).
+    ``devices[i]`` holds fragment i (NO_DEVICE if it could not be stored);
+    ``frag_version`` is the revision of its fragment files (bmfs/data/fragment.py;
+    the record's fourth byte, 0 in records written before revision 2: revision 1).
     """
     kind: int
     length: int
@@ -191,19 +193,21 @@ class Stripe:
     frag_len: int = 0
     devices: list[int] = field(default_factory=list)
     data: bytes = b""
+    frag_version: int = 1
 
     def pack(self) -> bytes:
-        head = _STRIPE.pack(self.kind, self.k, self.m, 0, self.refs, self.length)
+        head = _STRIPE.pack(self.kind, self.k, self.m,
+                            self.frag_version if self.kind == EC else 0, self.refs, self.length)
         if self.kind == INLINE:
             return head + self.data
         return head + struct.pack("<I%dH" % len(self.devices), self.frag_len, *self.devices)
 
     @classmethod
     def unpack(cls, b: bytes) -> "Stripe":
-        kind, k, m, _, refs, length = _STRIPE.unpack_from(b)
+        kind, k, m, fv, refs, length = _STRIPE.unpack_from(b)
         rest = b[_STRIPE.size:]
         if kind == INLINE:
             return cls(INLINE, length, refs, data=bytes(rest))
         n = k + m
         frag_len, *devs = struct.unpack_from("<I%dH" % n, rest)
-        return cls(EC, length, refs, k, m, frag_len, list(devs))
+        return cls(EC, length, refs, k, m, frag_len, list(devs), frag_version=fv or 1)

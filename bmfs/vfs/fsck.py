@@ -136,10 +136,10 @@ async def check_fragments(volume, stripes: dict[int, Stripe], full: bool, repair
                 if full:
                     await data._read_fragment(sid, st, i)
                 else:
-                    hlen = fr.header_length(st.frag_len)
+                    geo = fr.geometry(st.frag_version, st.frag_len)
                     (head,) = await volume.transport.read(dev, fr.fragment_name(sid, i),
-                                                          [(0, hlen)])
-                    fr.parse_header(head, sid, i, st.frag_len)
+                                                          [(0, geo.table_end)])
+                    fr.parse_header(head, sid, i, st.frag_len, geo.version)
             except Exception as e:  # noqa: BLE001 - every failure is a finding
                 problems.append(f"stripe {sid} fragment {i} on device {dev}: {e}")
     for dev in sorted(volume.device_paths):

@@ -104,7 +104,7 @@ async def _repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: se
     devices = list(st.devices)
     moved: dict[int, int] = {}  # index -> the device it was moved from
     for i, target in targets.items():
-        head = fr.build_header(sid, i, st.k, st.m, frags[i])
+        head = fr.build_header(sid, i, st.k, st.m, frags[i], st.frag_version)
         try:
             await volume.transport.put(target, fr.fragment_name(sid, i), [head, frags[i]])
         except DeviceError as e:

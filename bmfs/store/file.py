@@ -110,6 +110,7 @@ class FileStore:
         self._sync_lock = threading.Lock()
         self._direct = hasattr(os, "O_DIRECT")  # until the filesystem refuses it
         self.drop_behind = False  # see DROP_BEHIND
+        self._frags = os.path.join(path, "frags", "")
         check_marker(path, volume_uuid, dev, 1)
 
     @staticmethod
@@ -125,8 +126,8 @@ class FileStore:
             os.fsync(f.fileno())
 
     def _file(self, name: str) -> str:
-        sid_hex = name.split(".", 1)[0]
-        return os.path.join(self.path, "frags", sid_hex[-2:], name)
+        sid_hex = name.split(".", 1)[0]  # (os.path.join took ~1 us a read, ~5 cold)
+        return f"{self._frags}{sid_hex[-2:]}/{name}"
 
     def write(self, name: str, parts) -> None:
         # Written in place, not to a temporary name and renamed: a fragment is not

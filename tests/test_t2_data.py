@@ -133,10 +133,11 @@ class SlowStore(FileStore):
         return super().read_parts(name, ranges)
 
 
-def test_small_reads_inline_unless_device_slow(tmp_path):
+def test_small_reads_inline_unless_device_slow_or_stalled(tmp_path):
     """A small read is served on the event loop (concurrent ones too, one after the
-    other); a large one, or one from a device that stalled, goes to a worker thread.
-    Every path returns the same bytes."""
+    other); a large one goes to a worker thread. A slow device (reads slower than a
+    thread hop) is read inline only while nothing else waits; a device that stalled
+    is read from threads for a while. Every path returns the same bytes."""
     stores = {}
     for d in range(6):
         FileStore.format(str(tmp_path / f"d{d}"), "vol", d)
@@ -144,43 +145,73 @@ def test_small_reads_inline_unless_device_slow(tmp_path):
     transport = LocalTransport(stores)
     client = DataClient(transport, list(stores), 4, 2, 1024)
     data = os.urandom(4 << 20)
+    r, w = os.pipe()
+    transport.watch_requests(r)  # stands for the FUSE device: written = a request waits
 
     async def main():
         st = await client.write_stripe(5, data)
         stats = transport.stats
-        before = dict(stats)
+        inline, threads = stats["inline_reads"], stats["thread_reads"]
+
+        def counts(i, t):
+            assert (stats["inline_reads"] - inline, stats["thread_reads"] - threads) == (i, t)
+
         assert await client.read(5, st, 8192, 4096) == data[8192:12288]
-        assert stats["inline_reads"] == before["inline_reads"] + 1
-        assert stats["thread_reads"] == before["thread_reads"]
+        counts(1, 0)
         assert await client.read(5, st, 0, 1 << 20) == data[:1 << 20]  # large: a thread
-        assert stats["thread_reads"] == before["thread_reads"] + 1
+        counts(1, 1)
 
         out = {}
 
-        async def one(i):
-            out[i] = await client.read(5, st, 100 * i, 50)
+        async def one(i, at=0):
+            out[i] = await client.read(5, st, at + 100 * i, 50)
         async with trio.open_nursery() as nursery:  # several at once: each inline
             for i in range(1, 3):
                 nursery.start_soon(one, i)
         assert out == {i: data[100 * i:100 * i + 50] for i in range(1, 3)}
-        assert stats["inline_reads"] == before["inline_reads"] + 3
-        assert stats["thread_reads"] == before["thread_reads"] + 1
+        counts(3, 1)
+        transport._latency.clear()    # (no cold read of this disk counted: all fast)
+        os.write(w, b"x")             # a request waits: a fast device is still inline
+        assert await client.read(5, st, 200, 50) == data[200:250]
+        counts(4, 1)
+        os.read(r, 1)
 
         dev = st.devices[0]
-        stores[dev].delay = 0.03      # the device stalls once: threads from then on
-        assert await client.read(5, st, 300, 50) == data[300:350]
-        assert stats["inline_reads"] == before["inline_reads"] + 4
+        stores[dev].delay = 0.003     # slow, not stalling: inline while alone ...
+        for i in range(8):
+            assert await client.read(5, st, 1000 + i, 50) == data[1000 + i:1050 + i]
+        counts(12, 1)
+        os.write(w, b"x")
+        assert await client.read(5, st, 300, 50) == data[300:350]  # ... not while one waits
+        counts(12, 2)
+        os.read(r, 1)                 # alone again: inline
         assert await client.read(5, st, 400, 50) == data[400:450]
-        assert stats["thread_reads"] == before["thread_reads"] + 2
-        first = transport._slow[dev] - time.monotonic()
-        transport._slow[dev] = 0.0    # its time out is over; it stalls again: twice as long
+        counts(13, 2)
+        out.clear()                   # nor while a read is under way in a thread
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.read, 5, st, 0, 1 << 20)  # large: a thread
+            while not transport._threaded:
+                await trio.sleep(0)
+            for i in range(1, 4):
+                nursery.start_soon(one, i, 7)
+        assert out == {i: data[7 + 100 * i:57 + 100 * i] for i in range(1, 4)}
+        counts(13, 6)
+
+        stores[dev].delay = 0.03      # the device stalls once: threads from then on,
+        inline, threads = stats["inline_reads"], stats["thread_reads"]
         assert await client.read(5, st, 500, 50) == data[500:550]
-        assert stats["inline_reads"] == before["inline_reads"] + 5
-        assert transport._slow[dev] - time.monotonic() > 1.5 * first
+        counts(1, 0)
+        assert await client.read(5, st, 600, 50) == data[600:650]
+        counts(1, 1)
+        first = transport._stalled[dev] - time.monotonic()
+        transport._stalled[dev] = 0.0  # its time out is over; it stalls again: twice as long
+        assert await client.read(5, st, 700, 50) == data[700:750]
+        counts(2, 1)
+        assert transport._stalled[dev] - time.monotonic() > 1.5 * first
         stores[dev].delay = 0.0
         other = st.devices[1]         # other devices are still read inline
         assert await client.read(5, st, (1 << 20) + 10, 50) == data[(1 << 20) + 10:(1 << 20) + 60]
-        assert stats["inline_reads"] == before["inline_reads"] + 6
+        counts(3, 1)
         assert other != dev
 
         # a fragment gone from a device read inline: decoded from the others
@@ -188,4 +219,8 @@ def test_small_reads_inline_unless_device_slow(tmp_path):
         client._tables.clear()
         assert await client.read(5, st, (1 << 20) + 10, 50) == data[(1 << 20) + 10:(1 << 20) + 60]
         assert client.stats["degraded_reads"] >= 1
-    trio.run(main)
+    try:
+        trio.run(main)
+    finally:
+        os.close(r)
+        os.close(w)

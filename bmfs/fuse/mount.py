@@ -58,6 +58,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
         if opts.allow_other:
             fuse_options.add("allow_other")
         pyfuse3.init(ops, mountpoint, fuse_options)
+        _watch_requests(volume.transport)
         pidfiles = [pid_file(volume_path, mountpoint), os.path.join(volume_path, "mount.pid")]
         try:
             async with trio.open_nursery() as nursery:
@@ -79,6 +80,21 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
             _remove_pid(pidfiles)
     finally:
         await volume.aclose()
+
+
+def _watch_requests(transport) -> None:
+    """Tell a transport that reads small requests inline (LocalTransport) which
+    descriptor is the FUSE device, so it can see requests queued behind the current
+    one. pyfuse3 does not expose it: it is the descriptor open on /dev/fuse."""
+    if not hasattr(transport, "watch_requests"):
+        return
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
+                transport.watch_requests(int(name))
+                return
+        except OSError:
+            continue
 
 
 def _write_pid(paths: list[str], mountpoint: str) -> None:

@@ -7,15 +7,24 @@ Small reads are the exception (see ``read``): a worker thread costs about 100 us
 here (two wake-ups and the GIL passed back and forth), more than reading a few KiB
 from an NVMe device, so a small read is done on the event loop itself, as s3ql reads
 its cache files; concurrent small reads too, one after the other (4 random readers:
-+10-48% against sending them to threads while others waited). A device whose read
-took long there (``SLOW_INLINE`` on average, or one ``STALL``) is read from threads
-for a while, twice as long each time it happens again. The risk taken: while one
-inline read waits for a device, the whole mount waits; a device that stalls is found
-out by its first stall and then read from threads for longer and longer.
++10-48% against sending them to threads while others waited).
+
+Two kinds of device are read otherwise:
+- a *slow* one, whose inline reads average more than ``SLOW_INLINE`` (a disk slower
+  than a thread hop): reads one after the other would keep its queue at depth one,
+  so while other requests wait (queued on the FUSE device, or reads in threads)
+  its reads go to threads; a lone request is still read inline, the thread hop
+  being a quarter of such a read (cold random reads on this VM's disk, ~200-300 us:
+  +12-30% inline);
+- a *stalled* one, of which one read took over ``STALL``: read from threads for a
+  while, twice as long each time it stalls again. The risk taken: while one inline
+  read waits for a device, the whole mount waits; a device that stalls is found out
+  by its first stall and then read from threads for longer and longer.
 """
 from __future__ import annotations
 
 import os
+import select
 import time
 
 import trio
@@ -23,8 +32,8 @@ import trio
 from . import DeviceError, run_in_thread
 
 INLINE_MAX = 64 << 10   # reads up to this size may be done on the event loop
-SLOW_INLINE = 0.0005    # a device whose inline reads average more than this (busy or
-STALL = 0.02            # slow), or one of which took longer than this, ...
+SLOW_INLINE = 0.00015   # a device whose inline reads average more than this is slow
+STALL = 0.02            # a device one of whose reads took longer than this ...
 SLOW_FOR = 10.0         # ... is read from threads for this long, doubled each time it
 SLOW_FOR_MAX = 3600.0   # happens again (a disk that keeps stalling), up to this
 INLINE = os.environ.get("BMFS_INLINE_READS", "1") != "0"
@@ -37,10 +46,18 @@ class LocalTransport:
             if hasattr(store, "drop_behind"):
                 store.drop_behind = True  # large reads land in the mount's page cache
         self._limiter = trio.CapacityLimiter(threads)
-        self._slow: dict[int, float] = {}  # dev -> time until which reads use threads
+        self._stalled: dict[int, float] = {}  # dev -> time until which reads use threads
+        self._stalls: dict[int, int] = {}     # dev -> times it stalled
         self._latency: dict[int, float] = {}  # dev -> smoothed inline read time
-        self._slowed: dict[int, int] = {}     # dev -> times it was found slow
+        self._threaded = 0                    # reads under way in worker threads
+        self._waiting = None                  # poll() of the FUSE device, if watched
         self.stats = {"inline_reads": 0, "thread_reads": 0}
+
+    def watch_requests(self, fd: int) -> None:
+        """``fd`` is the FUSE device: requests queued on it are others waiting, which
+        a slow device's reads should not keep waiting (see the module docstring)."""
+        self._waiting = select.poll()
+        self._waiting.register(fd, select.POLLIN)
 
     async def _call(self, dev, method, *args):
         """``store.method(*args)`` in a worker thread; ``method`` is a name, or a
@@ -57,7 +74,12 @@ class LocalTransport:
     def _inline(self, dev, ranges) -> bool:
         if not INLINE or sum(n for _, n in ranges) > INLINE_MAX:
             return False
-        return not self._slow or self._slow.get(dev, 0.0) <= time.monotonic()
+        if self._stalled and self._stalled.get(dev, 0.0) > time.monotonic():
+            return False
+        if self._latency.get(dev, 0.0) <= SLOW_INLINE:
+            return True
+        # a slow device: inline only for a lone request
+        return not self._threaded and (self._waiting is None or not self._waiting.poll(0))
 
     async def put(self, dev: int, name: str, parts) -> None:
         await self._call(dev, "write", name, parts)
@@ -69,9 +91,13 @@ class LocalTransport:
         store = self.stores.get(dev)
         if store is None or isinstance(store, Exception) or not self._inline(dev, ranges):
             self.stats["thread_reads"] += 1
-            if check is None:
-                return await self._call(dev, "read_parts", name, ranges)
-            return await self._call(dev, _ReadChecked(store, check), name, ranges)
+            self._threaded += 1
+            try:
+                if check is None:
+                    return await self._call(dev, "read_parts", name, ranges)
+                return await self._call(dev, _ReadChecked(store, check), name, ranges)
+            finally:
+                self._threaded -= 1
         self.stats["inline_reads"] += 1
         t0 = time.monotonic()
         try:
@@ -80,11 +106,11 @@ class LocalTransport:
             raise DeviceError(dev, f"read_parts failed: {e}") from e
         finally:
             took = time.monotonic() - t0
-            avg = self._latency[dev] = 0.9 * self._latency.get(dev, 0.0) + 0.1 * took
-            if avg > SLOW_INLINE or took > STALL:
-                n = self._slowed[dev] = self._slowed.get(dev, 0) + 1
-                self._slow[dev] = t0 + took + min(SLOW_FOR * 2 ** (n - 1), SLOW_FOR_MAX)
-                self._latency[dev] = 0.0
+            if took > STALL:
+                n = self._stalls[dev] = self._stalls.get(dev, 0) + 1
+                self._stalled[dev] = t0 + took + min(SLOW_FOR * 2 ** (n - 1), SLOW_FOR_MAX)
+            else:
+                self._latency[dev] = 0.9 * self._latency.get(dev, 0.0) + 0.1 * took
         if check is not None:
             check(out)
         await trio.lowlevel.cancel_shielded_checkpoint()

@@ -351,6 +351,66 @@ def test_mount_of_missing_or_foreign_volume_dir(tmp_path):
         one_line_error(res)
 
 
+def _volume_format(volume, set_to=None) -> int:
+    """The format revision in the volume's settings (after writing ``set_to``, if given:
+    a volume made by an older or a newer bmfs)."""
+    import trio
+
+    from bmfs.kv import open_kv
+    from bmfs.meta import keys
+
+    async def main():
+        kv = await open_kv(f"sqlite:{volume}/meta.db")
+        try:
+            d = json.loads(await kv.get(keys.SETTINGS))
+            if set_to is not None:
+                d["format"] = set_to
+                txn = kv.begin()
+                txn.put(keys.SETTINGS, json.dumps(d).encode())
+                await kv.commit(txn)
+            return d["format"]
+        finally:
+            await kv.aclose()
+    return trio.run(main)
+
+
+def test_volume_format_revisions(tmp_path):
+    """A volume of the previous format revision is read by status and fsck as it is, and
+    upgraded by the first mount (so older bmfs refuses it from then on); one of an
+    unknown revision is refused by every command with one line, and nothing in it is
+    lost."""
+    from bmfs.meta import keys
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mp.mkdir()
+    mkfs(vol)
+    assert _volume_format(vol) == keys.FORMAT_REVISION == 2
+    with Mounted(vol, mp):
+        (mp / "kept").write_bytes(b"x" * 100_000)
+    _volume_format(vol, set_to=1)      # as made before fragment revision 2
+    assert json.loads(bmfs("status", vol, "--json").stdout)
+    assert_fsck_clean(vol)
+    assert _volume_format(vol) == 1    # reading it changed nothing
+    with Mounted(vol, mp):
+        assert (mp / "kept").read_bytes() == b"x" * 100_000
+        (mp / "new").write_bytes(b"y" * 100_000)
+    assert _volume_format(vol) == 2    # the mount upgraded it
+    assert "upgraded to 2" in (vol / "mount.log").read_text()
+
+    _volume_format(vol, set_to=3)      # made by a newer bmfs
+    for cmd in (["mount", mp, "--volume", vol], ["fsck", vol], ["fsck", vol, "--repair"],
+                ["status", vol], ["repair", vol]):
+        res = bmfs(*cmd, check=False)
+        assert res.returncode == 2, (cmd, res.returncode, res.stderr)
+        assert "format revision 3" in one_line_error(res), cmd
+    assert not is_mounted(mp)
+    assert _volume_format(vol) == 3
+    _volume_format(vol, set_to=2)
+    with Mounted(vol, mp):
+        assert (mp / "kept").read_bytes() == b"x" * 100_000
+        assert (mp / "new").read_bytes() == b"y" * 100_000
+    assert_fsck_clean(vol)
+
+
 def test_write_past_the_maximum_file_size(mnt):
     """Nothing can be written past bmfs.config.MAX_FILE_SIZE; the byte just below it can.
 

@@ -16,7 +16,7 @@ def run(args) -> int:
     from ..vfs.volume import Volume
 
     async def main():
-        vol = await Volume.open(args.volume)
+        vol = await Volume.open(args.volume, upgrade=args.repair)
         try:
             return await fsck(vol, full=args.full, repair=args.repair)
         finally:

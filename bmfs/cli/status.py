@@ -35,7 +35,7 @@ def run(args) -> int:
 async def _offline(path):
     from ..vfs.status import volume_status
     from ..vfs.volume import Volume
-    vol = await Volume.open(path)
+    vol = await Volume.open(path, upgrade=False)  # only reads
     try:
         return await volume_status(vol)
     finally:

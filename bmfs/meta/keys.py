@@ -34,7 +34,15 @@ m/<mount id>                           JSON record of a running mount (host, pid
                                        vanishes within seconds of the mount's death
 =====================================  ===============================================
 """
-FORMAT_REVISION = 1
+# The volume format revision mkfs writes (v/settings), and those this bmfs opens:
+#   1  the first;
+#   2  stripe records may name fragments of revision 2 (their fourth byte, see
+#      bmfs/data/fragment.py), which bmfs of revision 1 would take for corrupt (and,
+#      rewriting such a record, reset to 1, which makes the stripe unreadable).
+# Opening a revision 1 volume for writing (a mount, repair, fsck --repair) upgrades it
+# to 2 first, so bmfs of revision 1 refuses it from then on.
+FORMAT_REVISION = 2
+OPENS_REVISIONS = (1, 2)
 CHUNK_SIZE = 64 << 20
 LIVE = b"\x01"
 TOMBSTONE = b"\x00"

@@ -127,6 +127,21 @@ def _tcp_transport(path, info, records):
     return TcpTransport({dev: rec["node"] for dev, rec in records.items()}, secret)
 
 
+async def _upgrade(kv, path: str) -> dict:
+    """Raise the volume's format revision to this bmfs's; its settings, upgraded."""
+    async def fn(txn):
+        d = json.loads(await txn.get(keys.SETTINGS))
+        old = d.get("format")
+        d["format"] = keys.FORMAT_REVISION
+        txn.put(keys.SETTINGS, json.dumps(d).encode())
+        return old, d
+    old, d = await kv.transact(fn)
+    if old != keys.FORMAT_REVISION:
+        log.warning("%s: volume format revision %s upgraded to %d: bmfs of revision %s no "
+                    "longer opens it", path, old, keys.FORMAT_REVISION, old)
+    return d
+
+
 class Volume:
     """An opened volume. Create with ``await Volume.open(path)``; close with ``aclose``."""
 
@@ -141,7 +156,14 @@ class Volume:
         self._usage = None
 
     @classmethod
-    async def open(cls, path: str, missing_ok_devices: bool = True) -> "Volume":
+    async def open(cls, path: str, missing_ok_devices: bool = True,
+                   upgrade: bool = True) -> "Volume":
+        """Open the volume at ``path``. A volume of an older format revision this bmfs
+        still reads is upgraded first (keys.FORMAT_REVISION), unless ``upgrade`` is
+        False: then it is only read (status, fsck without --repair).
+
+        Raises VolumeError: no volume there, another volume's metadata, or a format
+        revision this bmfs does not read."""
         info = read_volume_file(path)
         kv = await open_kv(info["meta"])
         try:
@@ -149,9 +171,12 @@ class Volume:
             if raw is None:
                 raise VolumeError(f"{path}: the metadata at {info['meta']} holds no volume")
             d = json.loads(raw)
-            if d.get("format") != keys.FORMAT_REVISION:
-                raise VolumeError(f"{path}: volume format revision {d.get('format')}, this bmfs "
-                                  f"reads revision {keys.FORMAT_REVISION}")
+            if d.get("format") not in keys.OPENS_REVISIONS:
+                raise VolumeError(
+                    f"{path}: volume format revision {d.get('format')}, this bmfs reads "
+                    f"revisions {keys.OPENS_REVISIONS[0]} to {keys.OPENS_REVISIONS[-1]}")
+            if d["format"] != keys.FORMAT_REVISION and upgrade:
+                d = await _upgrade(kv, path)
             settings = VolumeSettings.from_json(d)
             if settings.uuid != info.get("uuid"):
                 raise VolumeError(f"{path}: {VOLUME_FILE} and the metadata name different volumes")

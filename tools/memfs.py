@@ -49,6 +49,7 @@ class Node:
 
 class MemFS(pyfuse3.Operations):
     enable_writeback_cache = True
+    node_class = Node
 
     def __init__(self, timeout: float = 1.0):
         super().__init__()
@@ -80,7 +81,7 @@ class MemFS(pyfuse3.Operations):
         e.st_uid = n.uid
         e.st_gid = n.gid
         e.st_rdev = 0
-        size = len(n.data)
+        size = self._size(n)
         e.st_size = size
         e.st_blksize = 1 << 20
         e.st_blocks = (size + 511) // 512
@@ -89,13 +90,22 @@ class MemFS(pyfuse3.Operations):
         e.st_ctime_ns = n.ctime
         return e
 
+    def _size(self, n: Node) -> int:
+        return len(n.data)
+
+    def _resize(self, n: Node, size: int) -> None:
+        if size < len(n.data):
+            del n.data[size:]
+        else:
+            n.data.extend(bytes(size - len(n.data)))
+
     def _new(self, parent_inode, name, mode, ctx) -> Node:
         p = self._node(parent_inode)
         if p.children is None:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         if name in p.children:
             raise pyfuse3.FUSEError(errno.EEXIST)
-        n = Node(self.next_ino, mode, ctx.uid, ctx.gid)
+        n = self.node_class(self.next_ino, mode, ctx.uid, ctx.gid)
         self.next_ino += 1
         self.nodes[n.ino] = n
         p.children[name] = n.ino
@@ -135,11 +145,7 @@ class MemFS(pyfuse3.Operations):
         n = self._node(inode)
         now = time.time_ns()
         if fields.update_size:
-            size = attr.st_size
-            if size < len(n.data):
-                del n.data[size:]
-            else:
-                n.data.extend(bytes(size - len(n.data)))
+            self._resize(n, attr.st_size)
             n.mtime = now
         if fields.update_mode:
             n.mode = (n.mode & ~0o7777) | (attr.st_mode & 0o7777)
@@ -199,7 +205,7 @@ class MemFS(pyfuse3.Operations):
         if n.children is not None:
             raise pyfuse3.FUSEError(errno.EISDIR)
         if flags & os.O_TRUNC:
-            n.data = bytearray()
+            self._resize(n, 0)
             n.mtime = n.ctime = time.time_ns()
         n.opens += 1
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
@@ -263,7 +269,7 @@ class MemFS(pyfuse3.Operations):
     async def statfs(self, ctx):
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = BLOCK
-        used = sum(len(n.data) for n in self.nodes.values()) // BLOCK
+        used = sum(self._size(n) for n in self.nodes.values()) // BLOCK
         s.f_blocks = max(used * 2, 1 << 24)
         s.f_bfree = s.f_bavail = s.f_blocks - used
         s.f_files = 1 << 24
@@ -290,10 +296,14 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1.0,
                     help="kernel attribute/entry cache seconds (default 1, as bmfs)")
     args = ap.parse_args(argv)
-    fs = MemFS(args.timeout)
+    return serve(MemFS(args.timeout), args.mountpoint, "memfs")
+
+
+def serve(fs, mountpoint: str, name: str) -> int:
+    """Mount ``fs`` with bmfs's mount options and serve it until unmounted."""
     options = set(pyfuse3.default_options)
-    options |= {"fsname=memfs", "subtype=memfs", "default_permissions", "allow_other"}
-    pyfuse3.init(fs, args.mountpoint, options)
+    options |= {f"fsname={name}", f"subtype={name}", "default_permissions", "allow_other"}
+    pyfuse3.init(fs, mountpoint, options)
     try:
         trio.run(_serve)
     finally:

@@ -263,8 +263,30 @@ fail:
  *     are inverted (gf_invert_matrix) and the missing rows of the inverse applied with
  *     ec_encode_data: what liberasurecode's isa_l_rs_vand reconstruct computes, without
  *     the GIL and without building whole fragments. ValueError for a singular choice
- *     (the caller falls back to pyeclib).
+ *     (possible with m > 4: the caller picks survivors that determine the data) or an
+ *     index out of range, TypeError for arguments of the wrong type.
  */
+
+/* The index `o` (an int below `limit`), or -1 with TypeError (not an int) or
+ * ValueError (out of range: checked on the whole value, which a cast to int would
+ * wrap) set. */
+static int index_arg(PyObject *o, int limit, const char *what)
+{
+    int overflow;
+    long v;
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "rs_rebuild: %s index must be an int", what);
+        return -1;
+    }
+    v = PyLong_AsLongAndOverflow(o, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || v < 0 || v >= limit) {
+        PyErr_Format(PyExc_ValueError, "rs_rebuild: %s index out of range", what);
+        return -1;
+    }
+    return (int)v;
+}
 static PyObject *rs_rebuild(PyObject *self, PyObject *args)
 {
     int k, m, nmiss, idx[MAX_FRAGS], miss[MAX_FRAGS], singular;
@@ -288,22 +310,24 @@ static PyObject *rs_rebuild(PyObject *self, PyObject *args)
         goto done;
     }
     for (int j = 0; j < nmiss; j++) {
-        miss[j] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(mseq, j));
-        if (miss[j] < 0 || miss[j] >= k) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "rs_rebuild: a missing index is not a data fragment");
+        miss[j] = index_arg(PySequence_Fast_GET_ITEM(mseq, j), k, "a missing (data fragment)");
+        if (miss[j] < 0)
             goto done;
-        }
     }
     for (; got < k; got++) {
-        PyObject *pair = PySequence_Fast_GET_ITEM(sseq, got), *b;
-        if (!PyArg_ParseTuple(pair, "iO", &idx[got], &b))
+        PyObject *pair = PySequence_Fast_GET_ITEM(sseq, got);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "rs_rebuild: survivors must be (index, buffer) tuples");
             goto done;
-        if (PyObject_GetBuffer(b, &bufs[got], PyBUF_SIMPLE) < 0)
+        }
+        idx[got] = index_arg(PyTuple_GET_ITEM(pair, 0), k + m, "a survivor");
+        if (idx[got] < 0)
             goto done;
-        if (idx[got] < 0 || idx[got] >= k + m || bufs[got].len < LIB_HEADER + payload) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(pair, 1), &bufs[got], PyBUF_SIMPLE) < 0)
+            goto done;
+        if (bufs[got].len < LIB_HEADER + payload) {
             PyBuffer_Release(&bufs[got]);
-            PyErr_SetString(PyExc_ValueError, "rs_rebuild: bad survivor index or length");
+            PyErr_SetString(PyExc_ValueError, "rs_rebuild: a survivor is shorter than its payload");
             goto done;
         }
         src[got] = (unsigned char *)bufs[got].buf + LIB_HEADER;

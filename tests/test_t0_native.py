@@ -147,3 +147,28 @@ def test_python_fallback_runs_the_data_tests():
                         "tests/test_t2_data.py"],
                        env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+@needs_native
+def test_rebuild_rejects_bad_arguments():
+    """rs_rebuild's arguments: a wrong type is a TypeError, an index out of range
+    (negative, not below k+m, or past a C int) a ValueError, never truncated."""
+    k, m = 4, 2
+    frags = Codec(k, m).encode(random.Random(1).randbytes(10_000))
+    payload = len(frags[0]) - LIB_HEADER
+    good = [(i, frags[i]) for i in range(1, 5)]
+    assert NATIVE.rs_rebuild(k, m, payload, good, [0]) == [frags[0][LIB_HEADER:]]
+    for survivors in ([[1, frags[1]]] + good[1:], [1] + good[1:], [(1,)] + good[1:],
+                      [(1, frags[1], 0)] + good[1:], [("1", frags[1])] + good[1:],
+                      [(1.0, frags[1])] + good[1:], [(1, "text")] + good[1:]):
+        with pytest.raises(TypeError):
+            NATIVE.rs_rebuild(k, m, payload, survivors, [0])
+    for missing in (["0"], [0.0], [None]):
+        with pytest.raises(TypeError):
+            NATIVE.rs_rebuild(k, m, payload, good, missing)
+    for bad in (-1, k + m, 2**32 + 1, 2**31, -2**32, 2**64 + 1):
+        with pytest.raises(ValueError):
+            NATIVE.rs_rebuild(k, m, payload, [(bad, frags[1])] + good[1:], [0])
+    for bad in (-1, k, 2**32 + 1, 2**32, 2**64):  # 2**32 + 1 was taken for 1
+        with pytest.raises(ValueError):
+            NATIVE.rs_rebuild(k, m, payload, good[1:] + [(5, frags[5])], [bad])

@@ -79,7 +79,7 @@ class Codec:
             try:
                 return self._native.rs_rebuild(self.k, self.m, payload, survivors, missing)
             except ValueError:
-                pass  # (a singular choice of survivors: pyeclib picks its own)
+                pass  # singular (DataClient passes k that are not, see _pick): pyeclib says so
         frags = [bytes(f) for _, f in sorted(fragments.items())]  # pyeclib takes bytes only
         return [memoryview(f)[LIB_HEADER:] for f in self._driver.reconstruct(frags, missing)]
 

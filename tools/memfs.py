@@ -57,7 +57,7 @@ class MemFS(pyfuse3.Operations):
         self.timeout = timeout
         self.nodes: dict[int, Node] = {}
         self.next_ino = ROOT + 1
-        root = Node(ROOT, stat.S_IFDIR | 0o755, os.getuid(), os.getgid())
+        root = self.node_class(ROOT, stat.S_IFDIR | 0o755, os.getuid(), os.getgid())
         root.lookups = 1
         self.nodes[ROOT] = root
         self.dirs: dict[int, list] = {}

@@ -153,6 +153,10 @@ def test_fragment_read_often_in_small_pieces_is_read_whole(tmp_path):
         assert sum(s.stats["fragments_read_whole"] for s in nodes.servers.values()) == 0
         for off in (0, 40960, 81920):
             assert bytes(await client.read(10, stripes[10], off, 4096)) == data[off:off + 4096]
+        with trio.fail_after(5):  # asked by a thread of the node's own, after the reply
+            while node.stats["fragments_read_whole"] == before:
+                await trio.sleep(0.01)
+        await trio.sleep(0.2)  # and nothing else follows
         assert node.stats["fragments_read_whole"] == before + 1
         assert sum(s.stats["fragments_read_whole"] for s in nodes.servers.values()) == 1
     run_with_nodes(tmp_path, body)

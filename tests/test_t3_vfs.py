@@ -1,6 +1,7 @@
 """Level 3: POSIX rules and branches in the vfs, without FUSE; each test ends in fsck."""
 import errno
 import os
+import stat
 
 import pytest
 import trio
@@ -121,6 +122,31 @@ def test_unlink_open_file_keeps_data(tmp_path):
         await fs.files.release(fh)
         with raises(errno.ENOENT):
             await fs.getattr(ino)
+    run(t, tmp_path)
+
+
+def test_times_written_back_to_a_freed_inode(tmp_path):
+    """The kernel writes the times it caches back to inodes it still holds, freed or
+    not: accepted (nothing to keep) for a freed one, whether freed at unlink or at its
+    last close; any other change of a freed inode is ENOENT, as is looking at it."""
+    async def t(fs):
+        gone = await write_file(fs, ROOT, b"a", b"x" * 5000, mode=0o640)
+        await fs.unlink(ROOT, b"a")
+        held = await write_file(fs, ROOT, b"b", b"y")
+        fh = await fs.open(held, os.O_RDONLY)
+        await fs.unlink(ROOT, b"b")
+        await fs.files.release(fh)
+        for ino in (gone, held):
+            a = await fs.setattr(ino, mtime_ns=5, ctime_ns=6)
+            assert (a.ino, a.nlink) == (ino, 0)
+            with raises(errno.ENOENT):
+                await fs.setattr(ino, mode=0o600)
+            with raises(errno.ENOENT):
+                await fs.getattr(ino)
+        assert stat.S_IMODE((await fs.setattr(gone, atime_ns=1)).mode) == 0o640
+        kept = await write_file(fs, ROOT, b"c", b"z")
+        assert (await fs.setattr(kept, mtime_ns=7)).mtime_ns == 7
+        assert (await fs.getattr(kept)).mtime_ns == 7
     run(t, tmp_path)
 
 

@@ -437,6 +437,7 @@ class Files:
                     for idx in idxs[-FREE_BATCH:]:
                         await ns.put_chunk(txn, chain, ino, idx, [])
                     return False
+                self.fs.freed(view, ino, i)
                 await ns.delete_inode(txn, chain, ino, i)
             txn.delete(keys.orphan(chain.top if lay is None else lay, ino))
             return True

@@ -9,6 +9,8 @@ metadata transaction (retried on conflict); file data goes through files.py.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import os
 import stat
@@ -43,6 +45,9 @@ class Attr:
     ctime_ns: int = 0
 
 
+GONE_KEPT = 4096  # freed inodes remembered (FileSystem.freed)
+
+
 def _attr(fino: int, i: Inode) -> Attr:
     return Attr(fino, i.mode, i.nlink, i.uid, i.gid, i.rdev, i.size, i.atime_ns, i.mtime_ns,
                 i.ctime_ns)
@@ -70,6 +75,9 @@ class FileSystem:
         # names this mount in orphan records (o/) and, on etcd, in its leased m/ record
         self.mount_id = os.urandom(8).hex()
         self._heads: dict[str, tuple[int, int]] = {}  # branch -> (head, record revision)
+        # (view id, ino) -> the last inodes freed here, as they were (see setattr)
+        self.gone: "collections.OrderedDict[tuple[int, int], Inode]" = \
+            collections.OrderedDict()
         self._parsed_heads: dict[str, tuple[bytes, int]] = {}  # branch -> (record, head)
 
     @classmethod
@@ -83,6 +91,15 @@ class FileSystem:
         return fs
 
     # -- helpers ----------------------------------------------------------------------------
+    def freed(self, view, ino: int, i: Inode) -> None:
+        """Inode ``ino`` (last ``i``) is being freed. The kernel may hold it still (until
+        it sends FORGET), and with the writeback cache it writes the times it keeps
+        back to it later (setattr)."""
+        self.gone[(view.id, ino)] = dataclasses.replace(i, nlink=0)
+        self.gone.move_to_end((view.id, ino))
+        if len(self.gone) > GONE_KEPT:
+            self.gone.popitem(last=False)
+
     def split(self, fino: int):
         view = fino >> VIEW_SHIFT
         return self.views.get(view), fino & INO_MASK
@@ -318,6 +335,7 @@ class FileSystem:
             txn.put(keys.orphan(chain.top, ino), self.mount_id.encode())
             self.files.orphaned[(view.id, ino)] = chain.top  # (harmless if this try fails)
         else:
+            self.freed(view, ino, i)
             await ns.delete_inode(txn, chain, ino, i)
 
     async def unlink(self, parent: int, name: bytes) -> None:
@@ -465,6 +483,18 @@ class FileSystem:
             return await self.getattr(fino)  # (the next store commits it)
 
         before = None
+        if mode is None and uid is None and gid is None:
+            # times only: what the kernel writes back of an inode it caches, which may
+            # be one freed since (created, renamed, unlinked, closed: its times were
+            # still dirty). A file that is gone has no times to keep; refusing them
+            # made the kernel record ENOENT as a writeback error of the filesystem,
+            # and the next syncfs(2) (`sync -f`) on it failed with it.
+            gone = self.gone.get((view.id, ino))
+            if gone is not None:
+                try:
+                    await self.getattr(fino)
+                except NotFound:
+                    return _attr(fino, gone)
 
         async def fn(txn, chain):
             nonlocal before

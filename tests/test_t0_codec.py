@@ -114,19 +114,28 @@ def _flat_slices(rng):
 
 def test_visible_matches_painting():
     rng = random.Random(1)
-    for case in range(400):
+    for case in range(1200):
         if case % 2:
             slices = _flat_slices(rng)
-        else:
+        elif case % 4 == 0:
             slices = [Slice(rng.randrange(50), rng.randrange(0, 30), rng.randrange(1, 9),
                             rng.randrange(100)) for _ in range(rng.randrange(1, 8))]
+        else:  # many small scattered writes over holes, now and then a large one
+            slices = [Slice(rng.randrange(78), rng.choice((1, 2, 3, 5, rng.randrange(40))),
+                            rng.randrange(1, 9), rng.randrange(100))
+                      for _ in range(rng.randrange(1, 40))]
         a = rng.randrange(60)
         b = rng.randrange(a, 80)
         painted = _paint(slices, 80)
         got = [0] * 80
-        for p in visible(slices, a, b):
+        pieces = visible(slices, a, b)
+        pos = a
+        for p in pieces:  # in order, end to end, covering [a, b) once
+            assert p.pos == pos and (p.length > 0 or a == b), (slices, a, b, pieces)
+            pos += p.length
             for j in range(p.length):
                 got[p.pos + j] = (p.sid, p.soff + j) if p.sid else 0
+        assert pos == b
         assert got[a:b] == painted[a:b]
         # reads take the same pieces through SliceMap (bisection when flat)
         smap = SliceMap(slices)

@@ -274,9 +274,11 @@ def test_stress_ng_and_fio_verify(mnt):
     else:
         pytest.skip("fio not installed")
     if shutil.which("stress-ng"):
-        # the mixed run that once found reads of data still queued in the write pipeline
+        # the mixed run that once found reads of data still queued in the write pipeline;
+        # --fpunch (small writes scattered over sparse files) once hung the mount
         r = subprocess.run(["stress-ng", "--hdd", "2", "--hdd-bytes", "32M", "--rename", "1",
-                            "--dir", "1", "--link", "1", "--timeout", "15s", "--verify",
+                            "--dir", "1", "--link", "1", "--fpunch", "1", "--timeout", "15s",
+                            "--verify",
                             "--temp-path", mnt.mp], capture_output=True, text=True, timeout=300,
                            cwd=mnt.mp)
         out = r.stdout + r.stderr

@@ -15,7 +15,8 @@ import stat
 from ..kv import Txn
 from . import keys
 from .layers import Chain, ldel, lget, lput, lscan, top_value
-from .records import Inode, Slice, Stripe, pack_dentry, pack_slices, unpack_dentry, unpack_slices
+from .records import (SLICE_SIZE, Inode, Slice, Stripe, compact, pack_dentry, pack_slices,
+                      slice_sids, unpack_dentry, unpack_slices)
 
 ROOT = 1
 
@@ -72,8 +73,7 @@ async def put_chunk(txn: Txn, chain: Chain, ino: int, index: int, slices: list[S
     keeps its references because it is still part of older trees.
     """
     sub = keys.chunk(ino, index)
-    old = await top_value(txn, chain, sub)
-    old_sids = {s.sid for s in unpack_slices(old[1:])} if old and old[:1] == keys.LIVE else set()
+    old_sids = await _top_sids(txn, chain, sub)
     new_sids = {s.sid for s in slices}
     if slices:
         await lput(txn, chain, sub, pack_slices(slices))
@@ -81,6 +81,33 @@ async def put_chunk(txn: Txn, chain: Chain, ino: int, index: int, slices: list[S
         await ldel(txn, chain, sub)
     await adjust_refs(txn, new_sids - old_sids, +1)
     await adjust_refs(txn, old_sids - new_sids, -1)
+
+
+async def _top_sids(txn: Txn, chain: Chain, sub: bytes) -> set[int]:
+    """The stripes the top layer's own version of a chunk refers to."""
+    old = await top_value(txn, chain, sub)
+    return slice_sids(old[1:]) if old and old[:1] == keys.LIVE else set()
+
+
+async def append_slice(txn: Txn, chain: Chain, ino: int, index: int, sl: Slice,
+                       compact_over: int) -> int | None:
+    """Add ``sl`` (the newest) to a chunk's slice list, as put_chunk would; the list's
+    new length if it was compacted (it then held more than ``compact_over``), else
+    None. Without a compaction the packed list is extended as it is: no Slice
+    objects for the slices already there (thousands, in a chunk written in small
+    scattered pieces)."""
+    sub = keys.chunk(ino, index)
+    cur = await lget(txn, chain, sub) or b""
+    if len(cur) // SLICE_SIZE + 1 > compact_over:
+        slices = compact(unpack_slices(cur) + [sl], keys.CHUNK_SIZE)
+        await put_chunk(txn, chain, ino, index, slices)
+        return len(slices)
+    old_sids = await _top_sids(txn, chain, sub)
+    await lput(txn, chain, sub, cur + pack_slices([sl]))
+    # the new version refers to what the tree showed (cur) and sl; the top layer's old
+    # version, if any, is cur itself, so nothing it referred to is dropped
+    await adjust_refs(txn, (slice_sids(cur) | {sl.sid}) - old_sids, +1)
+    return None
 
 
 async def adjust_refs(txn: Txn, sids, delta: int) -> None:

@@ -136,6 +136,11 @@ class Files:
         # mount deletes a file it unlinks at once (it does not know of opens here), so
         # only these can need freeing at release.
         self.orphaned: dict[tuple[int, int], int] = {}
+        # (view id, ino, chunk) -> slices its list kept at its last compaction here: the
+        # next waits until the list has doubled (many small writes scattered over a
+        # chunk leave as many slices that all show; compacting them at every write
+        # would cost each write the whole list)
+        self._compacted: dict[tuple[int, int, int], int] = {}
 
     # -- bookkeeping ------------------------------------------------------------------------
     def is_open(self, view, ino) -> bool:
@@ -383,11 +388,13 @@ class Files:
             txn.put(keys.stripe(sid), st.pack())
             for d in damaged:
                 txn.put(keys.damage(sid, d), b"missing or doubled up at write")
-            slices = await ns.get_chunk(txn, chain, of.ino, idx)
-            slices.append(Slice(pos, st.length, sid, 0))
-            if len(slices) > COMPACT_AT:
-                slices = compact(slices, CHUNK_SIZE)
-            await ns.put_chunk(txn, chain, of.ino, idx, slices)
+            key = (of.view.id, of.ino, idx)
+            kept = await ns.append_slice(txn, chain, of.ino, idx, Slice(pos, st.length, sid, 0),
+                                         max(COMPACT_AT, 2 * self._compacted.get(key, 0)))
+            if kept is not None:
+                self._compacted[key] = kept
+                if len(self._compacted) > 4096:
+                    self._compacted.pop(next(iter(self._compacted)))
             i.size = max(i.size, end)
             i.mtime_ns = i.ctime_ns = mtime
             await ns.put_inode(txn, chain, of.ino, i)

@@ -102,11 +102,16 @@ async def append_slice(txn: Txn, chain: Chain, ino: int, index: int, sl: Slice,
         slices = compact(unpack_slices(cur) + [sl], keys.CHUNK_SIZE)
         await put_chunk(txn, chain, ino, index, slices)
         return len(slices)
-    old_sids = await _top_sids(txn, chain, sub)
+    top = await top_value(txn, chain, sub)
     await lput(txn, chain, sub, cur + pack_slices([sl]))
-    # the new version refers to what the tree showed (cur) and sl; the top layer's old
-    # version, if any, is cur itself, so nothing it referred to is dropped
-    await adjust_refs(txn, (slice_sids(cur) | {sl.sid}) - old_sids, +1)
+    # the new version refers to what the tree showed (cur) and sl. A live version in
+    # the top layer is cur itself: it referred to all of cur already, and nothing it
+    # referred to is dropped. Otherwise the top layer's new version adds a reference
+    # to each (lower layers keep theirs).
+    if top and top[:1] == keys.LIVE:
+        await adjust_refs(txn, {sl.sid} - slice_sids(cur), +1)
+    else:
+        await adjust_refs(txn, slice_sids(cur) | {sl.sid}, +1)
     return None
 
 

@@ -43,6 +43,7 @@ HOT_WINDOW = 2.0          # that make the node read the fragment whole (see
 HOT_RATE = 256 << 20      # _note_small_read), at most HOT_RATE bytes/s;
 HOT_TRACKED = 16384       # fragments whose recent small READs are counted
 FRAGMENT_GUESS = 1 << 20  # bytes a whole-fragment read costs the budget
+WARM_QUEUED = 256         # fragments waiting to be read whole, at most
 _NAME = re.compile(r"[0-9a-f]{16}\.[0-9]+")  # stripe id (hex) . fragment index
 
 
@@ -104,7 +105,7 @@ class NodeServer:
         self._recent: "collections.OrderedDict[tuple[int, str], tuple[float, int]]" = \
             collections.OrderedDict()
         self._hot_lock = threading.Lock()
-        self._warm_queue: queue.SimpleQueue | None = None  # fragments to read whole
+        self._warm_queue: queue.Queue | None = None  # fragments to read whole (_warm)
         self._hot_tokens, self._hot_at = float(HOT_RATE), time.monotonic()
         self._written = threading.Condition()
 
@@ -196,23 +197,28 @@ class NodeServer:
                 return
             self._hot_tokens -= FRAGMENT_GUESS
             if self._warm_queue is None:
-                self._warm_queue = queue.SimpleQueue()
+                self._warm_queue = queue.Queue(WARM_QUEUED)
                 threading.Thread(target=self._warm, name="warm", daemon=True).start()
         # by a thread of its own: the kernel starts the fragment's read inside the
         # call (~0.3 ms at p90 here), which held up this connection's next request
-        self._warm_queue.put(key)
+        try:
+            self._warm_queue.put_nowait(key)
+        except queue.Full:  # the device is behind: this one stays cold
+            pass
 
     def _warm(self) -> None:
         """Ask the kernel to read the fragments queued by _note_small_read whole into
         the page cache, one after another (a thread of its own)."""
         while True:
-            dev, name = self._warm_queue.get()
-            store = self.stores[dev]
+            key = self._warm_queue.get()
+            if key is None:  # close()
+                return
+            store = self.stores.get(key[0])
             if not hasattr(store, "extent"):
                 continue  # a pmem pool is memory already
             try:
-                fd, base, length, release = store.extent(name)
-            except OSError:
+                fd, base, length, release = store.extent(key[1])
+            except Exception:  # noqa: BLE001 (gone since, say: only a hint was lost)
                 continue
             try:
                 os.posix_fadvise(fd, base, length, os.POSIX_FADV_WILLNEED)
@@ -221,6 +227,15 @@ class NodeServer:
                 pass
             finally:
                 release()
+
+    def close(self) -> None:
+        """Stop the read-ahead thread (if it was started)."""
+        with self._hot_lock:
+            if self._warm_queue is not None:
+                try:
+                    self._warm_queue.put_nowait(None)
+                except queue.Full:
+                    pass  # (a daemon thread: it ends with the process)
 
     def _store(self, req):
         store = self.stores.get(req.device)
@@ -323,6 +338,7 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
             if ready:
                 ready(bound)
     finally:
+        server.close()
         if kv is not None:
             await kv.aclose()
 

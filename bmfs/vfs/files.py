@@ -20,6 +20,7 @@ its size (see ``client_stale``).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import stat
@@ -140,7 +141,8 @@ class Files:
         # next waits until the list has doubled (many small writes scattered over a
         # chunk leave as many slices that all show; compacting them at every write
         # would cost each write the whole list)
-        self._compacted: dict[tuple[int, int, int], int] = {}
+        self._compacted: "collections.OrderedDict[tuple[int, int, int], int]" = \
+            collections.OrderedDict()
 
     # -- bookkeeping ------------------------------------------------------------------------
     def is_open(self, view, ino) -> bool:
@@ -389,12 +391,15 @@ class Files:
             for d in damaged:
                 txn.put(keys.damage(sid, d), b"missing or doubled up at write")
             key = (of.view.id, of.ino, idx)
+            hint = self._compacted.get(key, 0)
+            if hint:
+                self._compacted.move_to_end(key)
             kept = await ns.append_slice(txn, chain, of.ino, idx, Slice(pos, st.length, sid, 0),
-                                         max(COMPACT_AT, 2 * self._compacted.get(key, 0)))
+                                         max(COMPACT_AT, 2 * hint))
             if kept is not None:
                 self._compacted[key] = kept
                 if len(self._compacted) > 4096:
-                    self._compacted.pop(next(iter(self._compacted)))
+                    self._compacted.popitem(last=False)
             i.size = max(i.size, end)
             i.mtime_ns = i.ctime_ns = mtime
             await ns.put_inode(txn, chain, of.ino, i)
@@ -511,8 +516,9 @@ class Files:
                     idx = size // CHUNK_SIZE
                     slices = await ns.get_chunk(txn, chain, ino, idx)
                     if slices:
-                        await ns.put_chunk(txn, chain, ino, idx,
-                                           compact(slices, size % CHUNK_SIZE))
+                        slices = compact(slices, size % CHUNK_SIZE)
+                        await ns.put_chunk(txn, chain, ino, idx, slices)
+                        self._compacted.pop((view.id, ino, idx), None)
             now = time.time_ns()
             i.size = size
             i.mtime_ns = mtime_ns if mtime_ns is not None else now

@@ -483,18 +483,6 @@ class FileSystem:
             return await self.getattr(fino)  # (the next store commits it)
 
         before = None
-        if mode is None and uid is None and gid is None:
-            # times only: what the kernel writes back of an inode it caches, which may
-            # be one freed since (created, renamed, unlinked, closed: its times were
-            # still dirty). A file that is gone has no times to keep; refusing them
-            # made the kernel record ENOENT as a writeback error of the filesystem,
-            # and the next syncfs(2) (`sync -f`) on it failed with it.
-            gone = self.gone.get((view.id, ino))
-            if gone is not None:
-                try:
-                    await self.getattr(fino)
-                except NotFound:
-                    return _attr(fino, gone)
 
         async def fn(txn, chain):
             nonlocal before
@@ -513,7 +501,18 @@ class FileSystem:
             i.ctime_ns = ctime_ns if ctime_ns is not None else time.time_ns()
             await ns.put_inode(txn, chain, ino, i)
             return i
-        i = await self.mutate(view, fn)
+        try:
+            i = await self.mutate(view, fn)
+        except NotFound:
+            # times only: what the kernel writes back of an inode it caches, which may
+            # be one freed since (created, renamed, unlinked, closed: its times were
+            # still dirty). A file that is gone has no times to keep; refusing them
+            # made the kernel record ENOENT as a writeback error of the filesystem,
+            # and the next syncfs(2) (`sync -f`) on it failed with it.
+            gone = self.gone.get((view.id, ino))
+            if gone is None or mode is not None or uid is not None or gid is not None:
+                raise
+            return _attr(fino, gone)
         self.files.overlay_update(view, ino, i)
         self.files.client_moved(view, ino, before, i)
         self.files.overlay(view, ino, i)

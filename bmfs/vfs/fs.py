@@ -10,7 +10,6 @@ metadata transaction (retried on conflict); file data goes through files.py.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import os
 import stat
@@ -95,7 +94,8 @@ class FileSystem:
         """Inode ``ino`` (last ``i``) is being freed. The kernel may hold it still (until
         it sends FORGET), and with the writeback cache it writes the times it keeps
         back to it later (setattr)."""
-        self.gone[(view.id, ino)] = dataclasses.replace(i, nlink=0)
+        gone = self.gone[(view.id, ino)] = i.copy()
+        gone.nlink = 0
         self.gone.move_to_end((view.id, ino))
         if len(self.gone) > GONE_KEPT:
             self.gone.popitem(last=False)

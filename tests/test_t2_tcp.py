@@ -334,3 +334,44 @@ def test_oversized_frame_is_refused():
         BlockingConnection(b).recv(pb.Request)
     a.close()
     b.close()
+
+
+def test_spinning_wait_lets_others_run_falls_back_and_can_be_cancelled():
+    """A lone small read spins for its reply (Connection._spin_loop) instead of
+    sleeping: the event loop's other tasks keep running meanwhile (here the task that
+    sends the reply), a reply later than the spin still arrives, and a deadline (a
+    hedged read's) cancels the wait at once."""
+    frame = pb.Response(id=7).SerializeToString()
+
+    async def main():
+        a, b = trio.socket.socketpair()
+        conn = Connection(b, 4096)
+
+        async def reply_after(seconds):
+            await trio.sleep(seconds)
+            await a.send(PREFIX.pack(len(frame), 0) + frame)
+
+        async with trio.open_nursery() as nursery:
+            # the reply comes from a task of this loop: a spin that held the loop would
+            # only see it after its 10 s
+            conn.spin = 10.0
+            nursery.start_soon(reply_after, 0.01)
+            t0 = trio.current_time()
+            got, _ = await conn.recv(pb.Response)
+            assert got.id == 7 and conn.spin == 0.0
+            assert trio.current_time() - t0 < 5
+            # a reply that comes after the spin: the wait goes on in the event loop
+            conn.spin = 0.001
+            nursery.start_soon(reply_after, 0.2)
+            with trio.fail_after(5):
+                got, _ = await conn.recv(pb.Response)
+            assert got.id == 7
+            # cancelled while spinning
+            conn.spin = 10.0
+            t0 = trio.current_time()
+            with trio.move_on_after(0.05) as scope:
+                await conn.recv(pb.Response)
+            assert scope.cancelled_caught and trio.current_time() - t0 < 5
+        a.close()
+        conn.close()
+    trio.run(main)

@@ -25,7 +25,7 @@ DOWN_FOR = 2.0        # seconds a failed node is skipped before it is tried agai
 CONNECT_TIMEOUT = 2.0
 CLIENT_BUFFER = 256 << 10  # replies larger than 64 KiB get buffers of their own
 _NO_DEADLINE = contextlib.nullcontext()
-WAIT_IN_PLACE = 1           # ms a lone request's reply is waited for in poll(2)
+SPIN = 0.0005              # seconds a lone small read's reply is spun for (Connection._spin_loop)
 SMALL_READ = 64 << 10      # reads up to this size measure a node's latency (for hedging)
 
 
@@ -75,7 +75,7 @@ class TcpTransport:
                       quick: bool = False):
         """Send ``req`` (with payload ``parts``) to ``dev``'s node; (reply, payload view).
         ``quick``: a short reply is expected soon (a small READ): if no other request
-        is under way, wait for it in poll(2) rather than in the event loop."""
+        is under way, spin for it for a moment rather than sleep (Connection.spin)."""
         node = self.device_node.get(dev)
         if node is None:
             raise DeviceError(dev, "unknown device")
@@ -94,7 +94,7 @@ class TcpTransport:
                     conn = node.idle.pop() if pooled else await self._connect(node)
                     try:
                         if quick and self._inflight == 1:
-                            conn.wait_in_place = WAIT_IN_PLACE
+                            conn.spin = SPIN
                         await conn.send(req, parts)
                         # the payload is a buffer of its own (large ones are received
                         # into it directly): slices of it are handed out without copies

@@ -5,6 +5,7 @@ path (a fragment's verified checksum table is kept, so later reads fetch only th
 blocks and still catch corruption), degraded and hedged reads, stale pooled
 connections, and reads that meet a fragment being rewritten.
 """
+import math
 import os
 import socket
 import struct
@@ -55,9 +56,9 @@ class Nodes:
         """From now on, record (fragment name, ranges) of every READ the client sends."""
         self.reads, real = [], self.transport.read
 
-        async def spy(dev, name, ranges, check=None):
+        async def spy(dev, name, ranges, check=None, deadline=math.inf):
             self.reads.append((name, ranges))
-            return await real(dev, name, ranges, check)
+            return await real(dev, name, ranges, check, deadline)
         self.transport.read = spy
         return self.reads
 
@@ -235,6 +236,33 @@ def test_hedged_read_avoids_the_slow_node(tmp_path):
             got = await client.read(11, st, (2 << 20) + 4096, 4096)
         assert bytes(got) == data[(2 << 20) + 4096:(2 << 20) + 8192]
         assert client.stats["hedged_reads"] == 1
+        # slow is not down: once it answers again it is read directly, and the reply
+        # it still owed the hedged read is not taken for another one's
+        assert nodes.transport.is_up(slow)
+        nodes.servers[slow].read_delay = 0.0
+        for off in (8192, 3 * 4096, 4096):
+            got = await client.read(11, st, (2 << 20) + off, 4096)
+            assert bytes(got) == data[(2 << 20) + off:(2 << 20) + off + 4096]
+        assert client.stats["hedged_reads"] == 1 and client.stats["degraded_reads"] == 1
+    run_with_nodes(tmp_path, body)
+
+
+def test_node_that_does_not_answer_in_time_is_marked_down(tmp_path):
+    """A request past the transport's own timeout fails with DeviceError and the node
+    is skipped for a while (placement and reads go elsewhere)."""
+    data = os.urandom(1 << 20)
+
+    async def body(nodes, client):
+        st = await client.write_stripe(12, data)
+        dev = st.devices[0]
+        nodes.servers[dev].read_delay = 1.0
+        nodes.transport.timeout = 0.2
+        with pytest.raises(DeviceError, match="timed out"):
+            await nodes.transport.read(dev, fr.fragment_name(12, 0), [(0, 4096)])
+        assert not nodes.transport.is_up(dev)
+        # the client reads around it, from the other fragments
+        got = await client.read(12, st, 4096, 4096)
+        assert bytes(got) == data[4096:8192] and client.stats["degraded_reads"] == 1
     run_with_nodes(tmp_path, body)
 
 

@@ -1,8 +1,9 @@
 """Transports carry fragment operations from a client to the devices that store them.
 
-Interface (all async): ``put(dev, name, parts)``, ``read(dev, name, ranges, check=None)
--> list of bytes`` (``check(parts)`` verifies them where they were read, and may
-raise), ``delete(dev, name)``, ``sync(dev)``, ``aclose()``. A transport raises
+Interface (all async): ``put(dev, name, parts)``, ``read(dev, name, ranges, check=None,
+deadline=inf) -> list of bytes`` (``check(parts)`` verifies them where they were read,
+and may raise; past ``deadline``, in trio time, a read that is still waiting raises
+``TooSlow``), ``delete(dev, name)``, ``sync(dev)``, ``aclose()``. A transport raises
 ``DeviceError`` when a device cannot serve a request (missing, down, I/O error); the
 data client treats that like a lost fragment.
 
@@ -20,6 +21,11 @@ class DeviceError(Exception):
     def __init__(self, dev: int, message: str):
         super().__init__(f"device {dev}: {message}")
         self.dev = dev
+
+
+class TooSlow(Exception):
+    """A read's ``deadline`` (a hedged read's) passed before the device answered: not a
+    failure of the device, which is not marked down."""
 
 
 async def run_in_thread(fn, *args, limiter: trio.CapacityLimiter | None = None):

@@ -23,6 +23,7 @@ Two kinds of device are read otherwise:
 """
 from __future__ import annotations
 
+import math
 import os
 import select
 import time
@@ -84,10 +85,12 @@ class LocalTransport:
     async def put(self, dev: int, name: str, parts) -> None:
         await self._call(dev, "write", name, parts)
 
-    async def read(self, dev: int, name: str, ranges, check=None) -> list[bytes]:
+    async def read(self, dev: int, name: str, ranges, check=None,
+                   deadline: float = math.inf) -> list[bytes]:
         """The byte ranges of a fragment; ``check(parts)``, if given, is run on them
         where they were read (in the worker thread: a large read's checksums are
-        computed beside the event loop, not on it) and may raise."""
+        computed beside the event loop, not on it) and may raise. ``deadline`` is
+        not used: local devices are not hedged (expected_latency is 0)."""
         store = self.stores.get(dev)
         if store is None or isinstance(store, Exception) or not self._inline(dev, ranges):
             self.stats["thread_reads"] += 1

@@ -8,23 +8,22 @@ waiting on it again.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import itertools
 import json
+import math
 import time
 
 import trio
 
 from ..node.protocol import Connection, ProtocolError, client_handshake
 from ..wire import node_pb2 as pb
-from . import DeviceError
+from . import DeviceError, TooSlow
 
 Req = pb.Request  # its enum values as class attributes: pb.Request.Op.X costs ~1 us a lookup
 DOWN_FOR = 2.0        # seconds a failed node is skipped before it is tried again
 CONNECT_TIMEOUT = 2.0
 CLIENT_BUFFER = 256 << 10  # replies larger than 64 KiB get buffers of their own
-_NO_DEADLINE = contextlib.nullcontext()
 SPIN = 0.0005              # seconds a lone small read's reply is spun for (Connection._spin_loop)
 SMALL_READ = 64 << 10      # reads up to this size measure a node's latency (for hedging)
 
@@ -54,8 +53,8 @@ class TcpTransport:
         node = self.device_node.get(dev)
         return node is not None and node.down_until <= time.monotonic()
 
-    async def _connect(self, node: _Node) -> Connection:
-        with trio.fail_after(CONNECT_TIMEOUT):
+    async def _connect(self, node: _Node, deadline: float = math.inf) -> Connection:
+        with trio.fail_at(min(trio.current_time() + CONNECT_TIMEOUT, deadline)):
             sock = trio.socket.socket()
             try:
                 await sock.connect((node.host, node.port))
@@ -72,47 +71,55 @@ class TcpTransport:
         return conn
 
     async def request(self, dev: int, req, parts=(), timeout: float | None = None,
-                      quick: bool = False):
+                      quick: bool = False, deadline: float = math.inf):
         """Send ``req`` (with payload ``parts``) to ``dev``'s node; (reply, payload view).
         ``quick``: a short reply is expected soon (a small READ): if no other request
-        is under way, spin for it for a moment rather than sleep (Connection.spin)."""
+        is under way, spin for it for a moment rather than sleep (Connection.spin).
+        Past ``timeout`` (seconds) the node is taken for down (DeviceError); past
+        ``deadline`` (trio time, the caller's: a hedged read's) TooSlow, and the node
+        is not marked down. Both are the connection's (Connection.deadline), checked
+        only when it has to sleep: no cancel scope per request."""
         node = self.device_node.get(dev)
         if node is None:
             raise DeviceError(dev, "unknown device")
         req.id = next(self._ids)
         req.device = dev
         conn = None
-        limit = timeout or self.timeout
-        # a caller's deadline that comes first (a hedged read's) makes ours redundant:
-        # skip it, a deadline scope costs as much as the rest of a small request
-        own = trio.current_effective_deadline() - trio.current_time() > limit
+        own = trio.current_time() + (timeout or self.timeout)
         self._inflight += 1
         try:
-            with trio.fail_after(limit) if own else _NO_DEADLINE:
-                while True:
-                    pooled = bool(node.idle)
-                    conn = node.idle.pop() if pooled else await self._connect(node)
-                    try:
-                        if quick and self._inflight == 1:
-                            conn.spin = SPIN
-                        await conn.send(req, parts)
-                        # the payload is a buffer of its own (large ones are received
-                        # into it directly): slices of it are handed out without copies
-                        resp, payload = await conn.recv(pb.Response, own_payload=True)
-                        break
-                    except (EOFError, ConnectionResetError, BrokenPipeError):
-                        if not pooled:
-                            raise
-                        # an idle connection the node closed (it restarted, say): not a
-                        # sign of trouble; every request is idempotent, try a fresh one
-                        conn.close()
-                        conn = None
-        except (OSError, EOFError, ProtocolError, trio.TooSlowError) as e:
+            while True:
+                pooled = bool(node.idle)
+                at = min(own, deadline)
+                conn = node.idle.pop() if pooled else await self._connect(node, at)
+                conn.deadline = at
+                try:
+                    if quick and self._inflight == 1:
+                        conn.spin = SPIN
+                    await conn.send(req, parts)
+                    # the payload is a buffer of its own (large ones are received
+                    # into it directly): slices of it are handed out without copies
+                    resp, payload = await conn.recv(pb.Response, own_payload=True)
+                    break
+                except (EOFError, ConnectionResetError, BrokenPipeError):
+                    if not pooled:
+                        raise
+                    # an idle connection the node closed (it restarted, say): not a
+                    # sign of trouble; every request is idempotent, try a fresh one
+                    conn.close()
+                    conn = None
+        except trio.TooSlowError as e:
+            if conn is not None:  # the reply may still come: the stream is out of step
+                conn.close()
+            if deadline < own and trio.current_time() >= deadline:
+                raise TooSlow(f"device {dev}: no reply within the caller's deadline") from e
+            node.down_until = time.monotonic() + DOWN_FOR
+            raise DeviceError(dev, f"node {node.address}: timed out") from e
+        except (OSError, EOFError, ProtocolError) as e:
             if conn is not None:
                 conn.close()
             node.down_until = time.monotonic() + DOWN_FOR
-            what = "timed out" if isinstance(e, trio.TooSlowError) else str(e) or type(e).__name__
-            raise DeviceError(dev, f"node {node.address}: {what}") from e
+            raise DeviceError(dev, f"node {node.address}: {str(e) or type(e).__name__}") from e
         except BaseException:
             if conn is not None:  # cancelled mid-request: the stream is out of step
                 conn.close()
@@ -134,12 +141,13 @@ class TcpTransport:
     async def put(self, dev: int, name: str, parts) -> None:
         await self.request(dev, pb.Request(op=Req.PUT, name=name, durable=True), parts)
 
-    async def read(self, dev: int, name: str, ranges, check=None) -> list[bytes]:
+    async def read(self, dev: int, name: str, ranges, check=None,
+                   deadline: float = math.inf) -> list[bytes]:
         t0 = time.monotonic()
         resp, payload = await self.request(
             dev, pb.Request(op=Req.READ, name=name,
                             ranges=[pb.Range(offset=o, length=n) for o, n in ranges]),
-            quick=sum(n for _, n in ranges) <= SMALL_READ)
+            quick=sum(n for _, n in ranges) <= SMALL_READ, deadline=deadline)
         if len(payload) <= SMALL_READ:  # the round trip, not the transfer time
             node = self.device_node[dev]
             node.latency = 0.8 * node.latency + 0.2 * (time.monotonic() - t0)

@@ -11,7 +11,6 @@ Damage seen on the way is reported through ``on_damage(sid, index, reason)``.
 from __future__ import annotations
 
 import array
-import collections
 import functools
 import logging
 import math
@@ -20,6 +19,7 @@ import sys
 import trio
 
 from ..errors import IOFailure, NoSpace
+from ..lru import LRU
 from ..meta.records import EC, INLINE, NO_DEVICE, Stripe
 from ..transport import DeviceError, TooSlow, run_in_thread
 from . import fragment as fr
@@ -49,14 +49,13 @@ class DataClient:
                       "missing_fragments": 0}
         # the last stripes decoded by degraded reads: a sequential reader asks for the
         # same stripe several times (one request per MiB or less), decode it once
-        self._decoded: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+        self._decoded = LRU(DECODED_CACHE)
         self._decoding: dict[int, trio.Event] = {}  # stripes being decoded right now
         # stripe -> where its last range rebuilt by a small read ended (_sequential)
-        self._rebuilt_end: "collections.OrderedDict[int, int]" = collections.OrderedDict()
+        self._rebuilt_end = LRU(REBUILT_KEPT)
         # block checksum tables of fragments whose header was read and verified: a
         # small read then fetches (and checks) just its blocks
-        self._tables: "collections.OrderedDict[tuple[int, int], array.array]" = \
-            collections.OrderedDict()
+        self._tables = LRU(TABLE_CACHE)
         # stripes whose fragments are being written or whose record is not committed
         # yet (the writer discards them after its commit): the leak sweep skips them
         self.uncommitted: set[int] = set()
@@ -220,10 +219,8 @@ class DataClient:
         stripe, so it is decoded once (k fragments) rather than each request rebuilt
         from k ranges (in 128 KiB requests: 1.6x the bytes in 5x the device reads).
         Noted when the read starts, so concurrent read-ahead requests count too."""
-        last = self._rebuilt_end.pop(sid, None)
-        self._rebuilt_end[sid] = end
-        if len(self._rebuilt_end) > REBUILT_KEPT:
-            self._rebuilt_end.popitem(last=False)
+        last = self._rebuilt_end.get(sid)
+        self._rebuilt_end.put(sid, end)
         return last == offset
 
     async def _read_rebuilt(self, sid, st, offset, end, avoid):
@@ -352,7 +349,7 @@ class DataClient:
         fragment (stripes are immutable, so a fragment's table never changes).
         """
         key = (sid, index)
-        table = self._tables.get(key) if cached_table else None
+        table = self._tables.hit(key) if cached_table else None
         name = fr.fragment_name(sid, index)
         at = (geo.data_offset + geo.block_start(first_block), length)
         read_table = []
@@ -370,14 +367,11 @@ class DataClient:
             fr.check_blocks(table, first_block, parts[-1], geo.version)
         try:
             if table is not None:
-                self._tables.move_to_end(key)
                 (data,) = await self.transport.read(dev, name, [at], verify, deadline)
             else:
                 _, data = await self.transport.read(dev, name, [(0, geo.table_end), at],
                                                     verify, deadline)
-                self._tables[key] = read_table[0]
-                if len(self._tables) > TABLE_CACHE:
-                    self._tables.popitem(last=False)
+                self._tables.put(key, read_table[0])
             return data
         except fr.CorruptFragment as e:
             self._tables.pop(key, None)
@@ -391,9 +385,8 @@ class DataClient:
         """The stripe decoded from k intact fragments, as the k data fragments' payloads
         (views, trimmed to the stripe's length). Cached: stripes are immutable, so a
         decoded stripe stays right until its id is reused, never."""
-        cached = self._decoded.get(sid)
+        cached = self._decoded.hit(sid)
         if cached is not None:
-            self._decoded.move_to_end(sid)
             return cached
         busy = self._decoding.get(sid)
         if busy is not None:  # read-ahead asks for the same stripe concurrently: wait
@@ -406,10 +399,7 @@ class DataClient:
         finally:
             del self._decoding[sid]
             done.set()
-        self._decoded[sid] = data
-        if len(self._decoded) > DECODED_CACHE:
-            self._decoded.popitem(last=False)
-        return data
+        return self._decoded.put(sid, data)
 
     async def _decode_stripe(self, sid, st, avoid=()) -> tuple[memoryview, ...]:
         """The stripe from k whole fragments that determine it (_gather)."""

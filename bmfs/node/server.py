@@ -16,7 +16,6 @@ Fault controls for tests (``--fault`` or the ``BMFS_NODE_FAULT`` environment var
 """
 from __future__ import annotations
 
-import collections
 import errno
 import json
 import logging
@@ -28,6 +27,7 @@ import time
 
 import trio
 
+from ..lru import LRU
 from ..store.pmem import open_store
 from ..wire import node_pb2 as pb
 from .protocol import (ALIGNED, BlockingConnection, Connection, FileRange, ProtocolError,
@@ -102,8 +102,7 @@ class NodeServer:
         self._writing: dict[tuple[int, str], int] = {}
         # fragments with recent small READs -> (first of them, how many); see
         # _note_small_read
-        self._recent: "collections.OrderedDict[tuple[int, str], tuple[float, int]]" = \
-            collections.OrderedDict()
+        self._recent = LRU(HOT_TRACKED)
         self._hot_lock = threading.Lock()
         self._warm_queue: queue.Queue | None = None  # fragments to read whole (_warm)
         self._hot_tokens, self._hot_at = float(HOT_RATE), time.monotonic()
@@ -186,9 +185,7 @@ class NodeServer:
                 first, count = now, 0
             count += 1
             if count < HOT_READS:
-                self._recent[key] = (first, count)
-                if len(self._recent) > HOT_TRACKED:
-                    self._recent.popitem(last=False)
+                self._recent.put(key, (first, count))
                 return
             # a token bucket of HOT_RATE bytes/s, one second deep
             self._hot_tokens = min(HOT_RATE, self._hot_tokens + (now - self._hot_at) * HOT_RATE)

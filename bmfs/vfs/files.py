@@ -20,7 +20,6 @@ its size (see ``client_stale``).
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import stat
@@ -31,6 +30,7 @@ import trio
 from ..config import MAX_FILE_SIZE
 from ..data.codec import stripe_length
 from ..errors import FsError, IOFailure, IsDir, NotFound, TooBig
+from ..lru import LRU
 from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
@@ -39,6 +39,7 @@ from .views import INO_MASK, VIEW_SHIFT
 
 log = logging.getLogger(__name__)
 COMPACT_AT = 64  # slices per chunk before dropping shadowed ones
+COMPACTED_KEPT = 4096  # chunks whose last compaction's length is remembered
 PIPELINE = 2  # full stripes of one file stored in the background at once
 # Chunks released per transaction when a big file is deleted or cut short: a chunk
 # costs up to ~33 operations (its slice list, and each stripe's record and GC entry),
@@ -141,8 +142,7 @@ class Files:
         # next waits until the list has doubled (many small writes scattered over a
         # chunk leave as many slices that all show; compacting them at every write
         # would cost each write the whole list)
-        self._compacted: "collections.OrderedDict[tuple[int, int, int], int]" = \
-            collections.OrderedDict()
+        self._compacted = LRU(COMPACTED_KEPT)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def is_open(self, view, ino) -> bool:
@@ -391,15 +391,11 @@ class Files:
             for d in damaged:
                 txn.put(keys.damage(sid, d), b"missing or doubled up at write")
             key = (of.view.id, of.ino, idx)
-            hint = self._compacted.get(key, 0)
-            if hint:
-                self._compacted.move_to_end(key)
+            hint = self._compacted.hit(key, 0)
             kept = await ns.append_slice(txn, chain, of.ino, idx, Slice(pos, st.length, sid, 0),
                                          max(COMPACT_AT, 2 * hint))
             if kept is not None:
-                self._compacted[key] = kept
-                if len(self._compacted) > 4096:
-                    self._compacted.popitem(last=False)
+                self._compacted.put(key, kept)
             i.size = max(i.size, end)
             i.mtime_ns = i.ctime_ns = mtime
             await ns.put_inode(txn, chain, of.ino, i)

@@ -9,7 +9,6 @@ metadata transaction (retried on conflict); file data goes through files.py.
 """
 from __future__ import annotations
 
-import collections
 import json
 import os
 import stat
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from ..config import MAX_NAME
 from ..errors import (CrossDevice, Exists, Invalid, IsDir, NameTooLong, NoAttr, NotDir,
                       NotEmpty, NotFound, NotSupported, Perm, Range, ReadOnly)
+from ..lru import LRU
 from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.records import Inode
@@ -75,8 +75,7 @@ class FileSystem:
         self.mount_id = os.urandom(8).hex()
         self._heads: dict[str, tuple[int, int]] = {}  # branch -> (head, record revision)
         # (view id, ino) -> the last inodes freed here, as they were (see setattr)
-        self.gone: "collections.OrderedDict[tuple[int, int], Inode]" = \
-            collections.OrderedDict()
+        self.gone = LRU(GONE_KEPT)
         self._parsed_heads: dict[str, tuple[bytes, int]] = {}  # branch -> (record, head)
 
     @classmethod
@@ -94,11 +93,8 @@ class FileSystem:
         """Inode ``ino`` (last ``i``) is being freed. The kernel may hold it still (until
         it sends FORGET), and with the writeback cache it writes the times it keeps
         back to it later (setattr)."""
-        gone = self.gone[(view.id, ino)] = i.copy()
+        gone = self.gone.put((view.id, ino), i.copy())
         gone.nlink = 0
-        self.gone.move_to_end((view.id, ino))
-        if len(self.gone) > GONE_KEPT:
-            self.gone.popitem(last=False)
 
     def split(self, fino: int):
         view = fino >> VIEW_SHIFT

@@ -15,6 +15,14 @@ class LRU(collections.OrderedDict):
         super().__init__()
         self.limit = limit
 
+    def copy(self) -> "LRU":
+        out = LRU(self.limit)
+        out.update(self)
+        return out
+
+    def __reduce__(self):  # copy.copy and pickle: keep the limit
+        return self.__class__, (self.limit,), None, None, iter(self.items())
+
     def put(self, key, value):
         self[key] = value
         self.move_to_end(key)

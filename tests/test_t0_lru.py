@@ -1,4 +1,7 @@
 """Level 0: the bounded least-recently-used dict behind the caches (bmfs/lru.py)."""
+import copy
+import pickle
+
 from bmfs.lru import LRU
 
 
@@ -16,3 +19,7 @@ def test_lru_drops_the_least_recently_used():
     assert c.hit("zz", 0) == 0 and "zz" not in c
     c.put("n", None)                  # a stored None is told apart from a miss
     assert c.hit("n", "miss") is None and list(c)[-1] == "n"
+    for twin in (c.copy(), copy.copy(c), pickle.loads(pickle.dumps(c))):
+        assert type(twin) is LRU and twin.limit == 3 and list(twin.items()) == list(c.items())
+        twin.put("x", 1)
+        assert len(twin) == 3 and "x" not in c

@@ -394,6 +394,16 @@ def test_spinning_wait_lets_others_run_falls_back_and_can_be_cancelled():
             with trio.fail_after(5):
                 got, _ = await conn.recv(pb.Response)
             assert got.id == 7
+            # the connection's deadline (a hedged read's) ends the spin and the wait
+            conn.spin = 10.0
+            conn.deadline = trio.current_time() + 0.05
+            t0 = trio.current_time()
+            with pytest.raises(trio.TooSlowError):
+                await conn.recv(pb.Response)
+            assert trio.current_time() - t0 < 5
+            conn.deadline = math.inf
+            nursery.start_soon(reply_after, 0)  # (the reply it gave up on)
+            got, _ = await conn.recv(pb.Response)
             # cancelled while spinning
             conn.spin = 10.0
             t0 = trio.current_time()

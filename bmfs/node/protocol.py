@@ -197,12 +197,13 @@ class Connection(_Framing):
         virtual machine's CPUs halt, and waking one costs far more than the wait: on
         the VMs measured here a loopback TCP ping-pong took ~110 us a round trip with
         both sides asleep between messages, ~31 us with one side spinning
-        (docs/benchmarks.md). Other tasks run meanwhile, and cancellation (a hedged
-        read's deadline) is seen at each round."""
+        (docs/benchmarks.md). Other tasks run meanwhile; cancellation and ``deadline``
+        (a hedged read's) are seen at each round: past the deadline it stops, and
+        _wait raises."""
         end = time.perf_counter() + self.spin
         self.spin = 0.0
         recv = self.sock.recv_into
-        while time.perf_counter() < end:
+        while time.perf_counter() < end and trio.current_time() < self.deadline:
             await trio.lowlevel.checkpoint()
             try:
                 return recv(view)

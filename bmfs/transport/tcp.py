@@ -94,8 +94,8 @@ class TcpTransport:
                 conn = node.idle.pop() if pooled else await self._connect(node, at)
                 conn.deadline = at
                 try:
-                    if quick and self._inflight == 1:
-                        conn.spin = SPIN
+                    # (set each time: a reply there at once leaves spin unused)
+                    conn.spin = SPIN if quick and self._inflight == 1 else 0.0
                     await conn.send(req, parts)
                     # the payload is a buffer of its own (large ones are received
                     # into it directly): slices of it are handed out without copies

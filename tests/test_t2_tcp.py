@@ -21,7 +21,7 @@ from bmfs.node.protocol import BlockingConnection, Connection, PREFIX
 from bmfs.node.server import NodeServer
 from bmfs.store.file import FileStore
 from bmfs.transport import DeviceError
-from bmfs.transport.tcp import TcpTransport
+from bmfs.transport.tcp import LATE_DOWN, TcpTransport
 from bmfs.wire import node_pb2 as pb
 
 SECRET = b"s" * 32
@@ -244,6 +244,19 @@ def test_hedged_read_avoids_the_slow_node(tmp_path):
             got = await client.read(11, st, (2 << 20) + off, 4096)
             assert bytes(got) == data[(2 << 20) + off:(2 << 20) + off + 4096]
         assert client.stats["hedged_reads"] == 1 and client.stats["degraded_reads"] == 1
+        # a node that keeps missing the hedge's deadline is skipped for a while: after
+        # LATE_DOWN hedged reads in a row, reads of it decode at once
+        nodes.servers[slow].read_delay = 1.0
+        for n in range(1, LATE_DOWN + 1):
+            assert nodes.transport.is_up(slow)
+            off = n * 40960  # not where the last rebuilt range ended (_sequential)
+            got = await client.read(11, st, (2 << 20) + off, 4096)
+            assert bytes(got) == data[(2 << 20) + off:(2 << 20) + off + 4096]
+        assert not nodes.transport.is_up(slow) and client.stats["hedged_reads"] == 1 + LATE_DOWN
+        with trio.fail_after(0.8):
+            got = await client.read(11, st, (3 << 20) - 4096, 4096)
+        assert bytes(got) == data[(3 << 20) - 4096:3 << 20]
+        assert client.stats["hedged_reads"] == 1 + LATE_DOWN
     run_with_nodes(tmp_path, body)
 
 

@@ -22,6 +22,7 @@ from . import DeviceError, TooSlow
 
 Req = pb.Request  # its enum values as class attributes: pb.Request.Op.X costs ~1 us a lookup
 DOWN_FOR = 2.0        # seconds a failed node is skipped before it is tried again
+LATE_DOWN = 3         # a node that misses this many callers' deadlines in a row is too
 CONNECT_TIMEOUT = 2.0
 CLIENT_BUFFER = 256 << 10  # replies larger than 64 KiB get buffers of their own
 SPIN = 0.0005              # seconds a lone small read's reply is spun for (Connection._spin_loop)
@@ -34,6 +35,7 @@ class _Node:
         self.address, self.host, self.port = address, host, int(port)
         self.idle: list[Connection] = []
         self.down_until = 0.0
+        self.late = 0  # callers' deadlines missed in a row (see LATE_DOWN)
         self.latency = 0.002  # smoothed READ latency (seconds), for hedging
 
 
@@ -112,6 +114,13 @@ class TcpTransport:
             if conn is not None:  # the reply may still come: the stream is out of step
                 conn.close()
             if deadline < own and trio.current_time() >= deadline:
+                # a node that misses hedged reads' deadlines again and again (stalled,
+                # or unreachable with connects timing out) is skipped for a while, or
+                # every read of it would wait for the hedge first
+                node.late += 1
+                if node.late >= LATE_DOWN:
+                    node.late = 0
+                    node.down_until = time.monotonic() + DOWN_FOR
                 raise TooSlow(f"device {dev}: no reply within the caller's deadline") from e
             node.down_until = time.monotonic() + DOWN_FOR
             raise DeviceError(dev, f"node {node.address}: timed out") from e
@@ -134,6 +143,7 @@ class TcpTransport:
         else:
             conn.close()
         node.down_until = 0.0
+        node.late = 0
         if resp.errno:
             raise DeviceError(dev, f"node {node.address}: {resp.error or errno.errorcode.get(resp.errno)}")
         return resp, payload

@@ -426,3 +426,13 @@ def test_spinning_wait_lets_others_run_falls_back_and_can_be_cancelled():
         a.close()
         conn.close()
     trio.run(main)
+
+
+def test_spin_setting_from_the_environment(caplog):
+    from bmfs.transport.tcp import spin_setting
+    assert spin_setting({}) == 0.0005
+    assert spin_setting({"BMFS_SPIN_US": "0"}) == 0.0
+    assert spin_setting({"BMFS_SPIN_US": "250"}) == 0.00025
+    for bad in ("fast", "-5", "1e9", "nan"):
+        assert spin_setting({"BMFS_SPIN_US": bad}) == 0.0005
+    assert "BMFS_SPIN_US='fast'" in caplog.text

@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import itertools
 import json
+import logging
 import math
+import os
 import time
 
 import trio
@@ -20,13 +22,33 @@ from ..node.protocol import Connection, ProtocolError, client_handshake
 from ..wire import node_pb2 as pb
 from . import DeviceError, TooSlow
 
+log = logging.getLogger(__name__)
 Req = pb.Request  # its enum values as class attributes: pb.Request.Op.X costs ~1 us a lookup
 DOWN_FOR = 2.0        # seconds a failed node is skipped before it is tried again
 LATE_DOWN = 3         # a node that misses this many callers' deadlines in a row is too
 CONNECT_TIMEOUT = 2.0
 CLIENT_BUFFER = 256 << 10  # replies larger than 64 KiB get buffers of their own
-SPIN = 0.0005              # seconds a lone small read's reply is spun for (Connection._spin_loop)
 SMALL_READ = 64 << 10      # reads up to this size measure a node's latency (for hedging)
+
+
+def spin_setting(environ=os.environ) -> float:
+    """Seconds a lone small read's reply is spun for (Connection._spin_loop): the
+    environment's BMFS_SPIN_US (microseconds, 0 turns spinning off), else 500 us.
+    Spinning wins where waking a sleeping CPU is slow (VMs: docs/architecture.md);
+    on bare metal it buys less for the CPU it burns."""
+    raw = environ.get("BMFS_SPIN_US", "500")
+    try:
+        us = float(raw)
+        if not 0 <= us <= 100_000:
+            raise ValueError
+    except ValueError:
+        log.warning("BMFS_SPIN_US=%r is not a number of microseconds from 0 to 100000; "
+                    "using 500", raw)
+        us = 500.0
+    return us / 1e6
+
+
+SPIN = spin_setting()
 
 
 class _Node:

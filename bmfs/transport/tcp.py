@@ -25,7 +25,7 @@ from . import DeviceError, TooSlow
 log = logging.getLogger(__name__)
 Req = pb.Request  # its enum values as class attributes: pb.Request.Op.X costs ~1 us a lookup
 DOWN_FOR = 2.0        # seconds a failed node is skipped before it is tried again
-LATE_DOWN = 3         # a node that misses this many callers' deadlines in a row is too
+LATE_DOWN = 3         # callers' deadlines missed in a row that mark a node down too
 CONNECT_TIMEOUT = 2.0
 CLIENT_BUFFER = 256 << 10  # replies larger than 64 KiB get buffers of their own
 SMALL_READ = 64 << 10      # reads up to this size measure a node's latency (for hedging)

@@ -1,14 +1,22 @@
 """Process helpers shared by the CLI and the cluster launcher."""
 from __future__ import annotations
 
+import os
 
 
 def alive(pid: int) -> bool:
     """True while ``pid`` runs. A zombie (exited, not yet reaped by a parent that may
-    never reap it, e.g. in containers whose init does not) counts as gone."""
+    never reap it, e.g. in containers whose init does not) counts as gone once it is
+    alone: a multi-threaded process's main thread turns zombie first, and its other
+    threads, until they have exited too, still hold its files open. A storage node
+    killed this way kept accepting connections on its port for ~6 ms after its main
+    thread was a zombie: long enough for `bmfs cluster start --node` to take the old
+    node's listening socket for the new one's."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
+        if state not in ("Z", "X"):
+            return True
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-    return state not in ("Z", "X")

@@ -53,13 +53,18 @@ class Nodes:
         self.scopes[dev].cancel()
 
     def spy_reads(self) -> list:
-        """From now on, record (fragment name, ranges) of every READ the client sends."""
-        self.reads, real = [], self.transport.read
+        """From now on, record (fragment name, ranges) of every READ the client sends
+        (by read and by read_many)."""
+        self.reads, real, real_many = [], self.transport.read, self.transport.read_many
 
         async def spy(dev, name, ranges, check=None, deadline=math.inf):
             self.reads.append((name, ranges))
             return await real(dev, name, ranges, check, deadline)
-        self.transport.read = spy
+
+        async def spy_many(reads, deadline=math.inf):
+            self.reads.extend((name, ranges) for _, name, ranges, _ in reads)
+            return await real_many(reads, deadline)
+        self.transport.read, self.transport.read_many = spy, spy_many
         return self.reads
 
     async def client(self):
@@ -214,14 +219,79 @@ def test_small_reads_of_a_dead_node_rebuild_just_their_range(tmp_path):
             assert bytes(await client.read(21, st, off, n)) == data[off:off + n], (off, n)
         assert client.stats["ranges_rebuilt"] == len(cases)
         assert client.stats["degraded_reads"] == len(cases) and not client._decoded
-        assert nodes.reads and all(sum(n for _, n in ranges) <= 72 << 10
-                                   for _, ranges in nodes.reads)
+        # the dead node once, then k=4 ranges of other fragments for each read
+        assert len(nodes.reads) == 1 + 4 * len(cases)
+        assert all(sum(n for _, n in ranges) <= 72 << 10 for _, ranges in nodes.reads)
         # only the first read asked the dead node (and found it dead)
         assert [name for name, _ in nodes.reads].count(fr.fragment_name(21, 1)) == 1
         # a read spanning two fragments still decodes the stripe (and keeps it)
         off = bs - 100
         assert bytes(await client.read(21, st, off, 200)) == data[off:off + 200]
         assert client.stats["ranges_rebuilt"] == len(cases) and 21 in client._decoded
+    run_with_nodes(tmp_path, body)
+
+
+def test_read_many_sends_every_request_first_and_keeps_failures_apart(tmp_path):
+    """transport.read_many (a degraded small read's k ranges): every request is on its
+    way before any reply is awaited; each item gets its own parts or its own error (a
+    dead node's DeviceError, a failed check's exception), and the connections stay in
+    step for the reads after it."""
+    data = os.urandom(4 << 20)
+
+    async def body(nodes, client):
+        st = await client.write_stripe(31, data)
+        t = nodes.transport
+        want = {i: client._range_read(31, st, i, LIB_HEADER + 8192, 4096)
+                for i in range(4)}
+
+        def reads(check_of=lambda i: want[i].verify):
+            return [(st.devices[i], want[i].name, want[i].ranges, check_of(i))
+                    for i in range(4)]
+
+        got = await t.read_many(reads())
+        for i in range(4):
+            assert want[i].done(want[i].outcome(got[i])) == \
+                data[i * (1 << 20) + 8192:][:4096]
+        # the first node holds its reply for 0.5 s: the others have their requests
+        # (and have answered) meanwhile
+        slow, other = st.devices[0], st.devices[3]
+        nodes.servers[slow].read_delay = 0.5
+        seen = nodes.servers[other].stats["requests"]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(t.read_many, reads())
+            await trio.sleep(0.3)
+            assert nodes.servers[other].stats["requests"] == seen + 1
+        nodes.servers[slow].read_delay = 0.0
+        # a dead node and a check that fails: their items only
+        dead = st.devices[1]
+        nodes.stop(dead)
+        for conn in t.device_node[dead].idle:
+            conn.close()
+        t.device_node[dead].idle.clear()
+
+        def check_of(i):
+            if i != 2:
+                return want[i].verify
+
+            def bad(parts):
+                raise fr.CorruptFragment("checked and refused")
+            return bad
+        got = await t.read_many(reads(check_of))
+        assert isinstance(got[1], DeviceError) and not t.is_up(dead)
+        assert isinstance(got[2], fr.CorruptFragment)
+        for i in (0, 3):
+            assert bytes(got[i][-1])[-4096:] == data[i * (1 << 20) + 8192:][:4096]
+        # cancelled while replies are owed: those connections are closed, not pooled
+        # (a later read must not take an old reply for its own)
+        nodes.servers[slow].read_delay = 0.3
+        with trio.move_on_after(0.1):
+            await t.read_many(reads())
+        nodes.servers[slow].read_delay = 0.0
+        degraded = client.stats["degraded_reads"]
+        for i in (0, 2, 3):
+            off = i * (1 << 20) + 4096
+            assert bytes(await client.read(31, st, off, 4096)) == data[off:off + 4096]
+        assert client.stats["degraded_reads"] == degraded and t.is_up(slow)
     run_with_nodes(tmp_path, body)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 import functools
+import itertools
 import logging
 import math
 import sys
@@ -239,7 +240,8 @@ class DataClient:
         p0, n = LIB_HEADER + offset - i * bs, end - offset
         try:
             got = await self._gather(sid, st, avoid,
-                                     lambda j: self._read_range(sid, st, j, p0, n), skip=i)
+                                     lambda j: self._read_range(sid, st, j, p0, n), skip=i,
+                                     fetch_many=lambda js: self._read_ranges(sid, st, js, p0, n))
         except IOFailure:
             return None
         # rs_rebuild takes whole fragments: the range behind a stand-in library header
@@ -314,19 +316,37 @@ class DataClient:
     async def _read_range(self, sid, st, index, p0, n, deadline=math.inf):
         """``n`` bytes at payload offset ``p0`` of fragment ``index``, verified; TooSlow
         if the node has not answered by ``deadline`` (trio time)."""
+        read = self._range_read(sid, st, index, p0, n)
+        return read.done(await self._read_checked(read, deadline))
+
+    def _range_read(self, sid, st, index, p0, n) -> _CheckedRead:
         dev = st.devices[index]
         if dev == NO_DEVICE:
             raise _Missing()
         geo = fr.geometry(st.frag_version, st.frag_len)
         b0, start, length = geo.span(p0, n)
-        blocks = await self._read_checked(sid, st, index, dev, geo, b0, length,
-                                          cached_table=True, deadline=deadline)
-        off = p0 - start
-        if n <= 4096:
-            return bytes(blocks[off:off + n])
-        if off == 0 and len(blocks) == n:
-            return blocks
-        return memoryview(blocks)[off:off + n]  # no copy of a large read (bytes slice would)
+        return _CheckedRead(self, sid, st, index, dev, geo, b0, length, True,
+                            (p0 - start, n))
+
+    async def _read_ranges(self, sid, st, indexes, p0, n) -> dict:
+        """The same ``n`` bytes at payload offset ``p0`` of each fragment of
+        ``indexes``, verified, asked for together (transport.read_many: one task,
+        every request sent before any reply is awaited): index -> bytes, or the
+        exception (DeviceError, CorruptFragment, _Missing) its read failed with."""
+        out, reads = {}, []
+        for i in indexes:
+            try:
+                reads.append(self._range_read(sid, st, i, p0, n))
+            except _Missing as e:
+                out[i] = e
+        got = await self.transport.read_many(
+            [(r.dev, r.name, r.ranges, r.verify) for r in reads])
+        for r, parts in zip(reads, got):
+            try:
+                out[r.index] = r.done(r.outcome(parts))
+            except (DeviceError, fr.CorruptFragment) as e:
+                out[r.index] = e
+        return out
 
     async def _read_fragment(self, sid, st, index, copy=True):
         """The whole fragment (pyeclib's header included), verified: bytes, or with
@@ -334,52 +354,20 @@ class DataClient:
         dev = st.devices[index]
         if dev == NO_DEVICE:
             raise _Missing()
-        payload = await self._read_checked(sid, st, index, dev,
-                                           fr.geometry(st.frag_version, st.frag_len),
-                                           0, st.frag_len)
+        payload = await self._read_checked(_CheckedRead(
+            self, sid, st, index, dev, fr.geometry(st.frag_version, st.frag_len),
+            0, st.frag_len))
         return bytes(payload) if copy and not isinstance(payload, bytes) else payload
 
-    async def _read_checked(self, sid, st, index, dev, geo, first_block, length,
-                            cached_table=False, deadline=math.inf):
-        """``length`` payload bytes of a fragment from block ``first_block`` on, with
-        those blocks' checksums verified; damage is reported, then raised.
-
-        The header (and its block checksum table) is read and verified too, unless
-        ``cached_table`` allows using the table of an earlier verified read of this
-        fragment (stripes are immutable, so a fragment's table never changes).
-        """
-        key = (sid, index)
-        table = self._tables.hit(key) if cached_table else None
-        name = fr.fragment_name(sid, index)
-        at = (geo.data_offset + geo.block_start(first_block), length)
-        read_table = []
-
-        def verify(parts):  # runs where the data was read: a worker thread, locally
-            nonlocal table
-            if table is None:
-                fr.parse_header(parts[0], sid, index, st.frag_len, geo.version)
-                table = array.array("I", bytes(parts[0][fr.HEAD_FIXED:geo.table_end]))
-                if sys.byteorder != "little":
-                    table.byteswap()
-                read_table.append(table)
-            if len(parts[-1]) != length:
-                raise fr.CorruptFragment("truncated payload")
-            fr.check_blocks(table, first_block, parts[-1], geo.version)
+    async def _read_checked(self, read: _CheckedRead, deadline=math.inf):
+        """The payload bytes ``read`` asks for, with their blocks' checksums verified;
+        damage is reported, then raised."""
         try:
-            if table is not None:
-                (data,) = await self.transport.read(dev, name, [at], verify, deadline)
-            else:
-                _, data = await self.transport.read(dev, name, [(0, geo.table_end), at],
-                                                    verify, deadline)
-                self._tables.put(key, read_table[0])
-            return data
-        except fr.CorruptFragment as e:
-            self._tables.pop(key, None)
-            self._damaged(sid, index, f"corrupt: {e}")
-            raise
-        except DeviceError as e:
-            self._damaged(sid, index, f"unreadable: {e}")
-            raise
+            parts = await self.transport.read(read.dev, read.name, read.ranges,
+                                              read.verify, deadline)
+        except (DeviceError, fr.CorruptFragment) as e:
+            parts = e
+        return read.outcome(parts)
 
     async def _read_degraded(self, sid, st, avoid=()) -> tuple[memoryview, ...]:
         """The stripe decoded from k intact fragments, as the k data fragments' payloads
@@ -419,12 +407,14 @@ class DataClient:
             left -= len(views[-1])
         return tuple(views)
 
-    async def _gather(self, sid, st, avoid, fetch, skip=None) -> dict:
+    async def _gather(self, sid, st, avoid, fetch, skip=None, fetch_many=None) -> dict:
         """index -> ``fetch(index)`` for k intact fragments (but ``skip``) that determine
         the stripe: those on devices that are up and not in ``avoid`` first (data
         fragments before parity: the cheapest decode), the others only as replacements
-        for failures. k fetched at once; if they do not determine the stripe (see
-        _pick), more one at a time until some k do. IOFailure when no k can."""
+        for failures. k fetched at once: by ``fetch_many(indexes)`` if given (index ->
+        result or the exception it failed with; then replacements one at a time),
+        else by k tasks; if they do not determine the stripe (see _pick), more one at
+        a time until some k do. IOFailure when no k can."""
         up, rest = [], []
         for i, dev in enumerate(st.devices):
             if i != skip and dev != NO_DEVICE:
@@ -441,9 +431,16 @@ class DataClient:
                     continue
             return False
 
-        async with trio.open_nursery() as nursery:
-            for _ in range(st.k):
-                nursery.start_soon(fetch_one)
+        if fetch_many is not None:
+            first = list(itertools.islice(candidates, st.k))
+            got.update((i, v) for i, v in (await fetch_many(first)).items()
+                       if not isinstance(v, Exception))
+            while len(got) < st.k and await fetch_one():
+                pass
+        else:
+            async with trio.open_nursery() as nursery:
+                for _ in range(st.k):
+                    nursery.start_soon(fetch_one)
         while len(got) >= st.k:
             chosen = _pick(st.k, st.m, tuple(sorted(got)))
             if chosen is not None:
@@ -459,6 +456,70 @@ class DataClient:
         self.stats[key] += 1
         log.warning("stripe %d fragment %d %s", sid, index, why)
         self.on_damage(sid, index, why)
+
+
+class _CheckedRead:
+    """One read of a fragment's payload blocks with their checksums verified: the
+    request (``name``, ``ranges``, ``verify``, run where the data was read) and what
+    becomes of its outcome (``outcome``). ``length`` payload bytes from block
+    ``first_block`` on; the fragment's header (with its block checksum table) is read
+    and verified too, unless ``cached_table`` allows the table of an earlier verified
+    read of this fragment (stripes are immutable: a fragment's table never changes).
+    ``cut``: (offset, n), the bytes of the blocks that done() returns."""
+    __slots__ = ("client", "sid", "index", "dev", "name", "ranges", "key", "table",
+                 "read_table", "geo", "first_block", "length", "frag_len", "cut")
+
+    def __init__(self, client, sid, st, index, dev, geo, first_block, length,
+                 cached_table=False, cut=None):
+        self.client, self.sid, self.index, self.dev = client, sid, index, dev
+        self.key = (sid, index)
+        self.table = client._tables.hit(self.key) if cached_table else None
+        self.read_table = self.table is None
+        self.name = fr.fragment_name(sid, index)
+        self.geo, self.first_block, self.length = geo, first_block, length
+        self.frag_len, self.cut = st.frag_len, cut
+        at = (geo.data_offset + geo.block_start(first_block), length)
+        self.ranges = [(0, geo.table_end), at] if self.read_table else [at]
+
+    def verify(self, parts) -> None:
+        """Runs where the data was read (a worker thread, locally)."""
+        if self.table is None:
+            fr.parse_header(parts[0], self.sid, self.index, self.frag_len, self.geo.version)
+            table = array.array("I", bytes(parts[0][fr.HEAD_FIXED:self.geo.table_end]))
+            if sys.byteorder != "little":
+                table.byteswap()
+            self.table = table
+        if len(parts[-1]) != self.length:
+            raise fr.CorruptFragment("truncated payload")
+        fr.check_blocks(self.table, self.first_block, parts[-1], self.geo.version)
+
+    def outcome(self, parts):
+        """The verified payload of a read that returned ``parts``; if it failed
+        instead (``parts`` is the DeviceError or CorruptFragment), the damage is
+        reported and the error raised."""
+        client = self.client
+        if isinstance(parts, fr.CorruptFragment):
+            client._tables.pop(self.key, None)
+            client._damaged(self.sid, self.index, f"corrupt: {parts}")
+            raise parts
+        if isinstance(parts, DeviceError):
+            client._damaged(self.sid, self.index, f"unreadable: {parts}")
+            raise parts
+        if isinstance(parts, BaseException):  # TooSlow: not the fragment's fault
+            raise parts
+        if self.read_table:
+            client._tables.put(self.key, self.table)
+        return parts[-1]
+
+    def done(self, blocks):
+        """The ``cut`` of the verified blocks: bytes for a small one, else a view (no
+        copy of a large read, as a bytes slice would make)."""
+        off, n = self.cut
+        if n <= 4096:
+            return bytes(blocks[off:off + n])
+        if off == 0 and len(blocks) == n:
+            return blocks
+        return memoryview(blocks)[off:off + n]
 
 
 def _gf_tables():

@@ -3,7 +3,9 @@
 Interface (all async): ``put(dev, name, parts)``, ``read(dev, name, ranges, check=None,
 deadline=inf) -> list of bytes`` (``check(parts)`` verifies them where they were read,
 and may raise; past ``deadline``, in trio time, a read that is still waiting raises
-``TooSlow``), ``delete(dev, name)``, ``sync(dev)``, ``aclose()``. A transport raises
+``TooSlow``), ``read_many(reads, deadline=inf)`` (several reads, ``reads`` a list of
+(dev, name, ranges, check): each item's parts or the exception it failed with),
+``delete(dev, name)``, ``sync(dev)``, ``aclose()``. A transport raises
 ``DeviceError`` when a device cannot serve a request (missing, down, I/O error); the
 data client treats that like a lost fragment.
 
@@ -11,6 +13,8 @@ data client treats that like a lost fragment.
 loop.
 """
 from __future__ import annotations
+
+import math
 
 import trio
 
@@ -47,3 +51,34 @@ async def run_in_thread(fn, *args, limiter: trio.CapacityLimiter | None = None):
     await trio.lowlevel.checkpoint_if_cancelled()
     trio.lowlevel.start_thread_soon(lambda: fn(*args), deliver)
     return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+
+
+async def read_side_by_side(transport, reads, deadline: float = math.inf) -> list:
+    """``transport.read_many`` as one task per read: for a transport whose reads cost
+    the same side by side (local devices: worker threads, or inline)."""
+    out: list = [None] * len(reads)
+
+    async def one(i, dev, name, ranges, check):
+        raised = []
+
+        def checked(parts):  # what check raises is returned, anything else raised
+            try:
+                check(parts)
+            except Exception as e:
+                raised.append(e)
+                raise
+
+        try:
+            out[i] = await transport.read(dev, name, ranges,
+                                          checked if check is not None else None, deadline)
+        except (DeviceError, TooSlow) as e:
+            out[i] = e
+        except Exception as e:
+            if e not in raised:
+                raise
+            out[i] = e
+
+    async with trio.open_nursery() as nursery:
+        for i, read in enumerate(reads):
+            nursery.start_soon(one, i, *read)
+    return out

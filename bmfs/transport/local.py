@@ -30,7 +30,7 @@ import time
 
 import trio
 
-from . import DeviceError, run_in_thread
+from . import DeviceError, read_side_by_side, run_in_thread
 
 INLINE_MAX = 64 << 10   # reads up to this size may be done on the event loop
 SLOW_INLINE = 0.00015   # a device whose inline reads average more than this is slow
@@ -118,6 +118,9 @@ class LocalTransport:
             check(out)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return out
+
+    async def read_many(self, reads, deadline: float = math.inf) -> list:
+        return await read_side_by_side(self, reads, deadline)
 
     async def delete(self, dev: int, name: str) -> None:
         await self._call(dev, "delete", name)

@@ -8,6 +8,7 @@ waiting on it again.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import itertools
 import json
@@ -29,6 +30,12 @@ LATE_DOWN = 3         # callers' deadlines missed in a row that mark a node down
 CONNECT_TIMEOUT = 2.0
 CLIENT_BUFFER = 256 << 10  # replies larger than 64 KiB get buffers of their own
 SMALL_READ = 64 << 10      # reads up to this size measure a node's latency (for hedging)
+# what a request can fail with that is the node's doing (or its deadlines'): DeviceError
+# or TooSlow for the caller (TcpTransport._failed)
+_FAILURES = (trio.TooSlowError, OSError, EOFError, ProtocolError)
+# how an idle pooled connection that the node closed (it restarted, say) fails: not a
+# sign of trouble, the request is tried again on a fresh connection
+_STALE = (EOFError, ConnectionResetError, BrokenPipeError)
 
 
 def spin_setting(environ=os.environ) -> float:
@@ -49,6 +56,15 @@ def spin_setting(environ=os.environ) -> float:
 
 
 SPIN = spin_setting()
+
+
+def _read_request(name: str, ranges):
+    return pb.Request(op=Req.READ, name=name,
+                      ranges=[pb.Range(offset=o, length=n) for o, n in ranges])
+
+
+def _small(ranges) -> bool:
+    return sum(n for _, n in ranges) <= SMALL_READ
 
 
 class _Node:
@@ -103,60 +119,62 @@ class TcpTransport:
         ``deadline`` (trio time, the caller's: a hedged read's) TooSlow, and the node
         is not marked down. Both are the connection's (Connection.deadline), checked
         only when it has to sleep: no cancel scope per request."""
-        node = self.device_node.get(dev)
-        if node is None:
-            raise DeviceError(dev, "unknown device")
-        req.id = next(self._ids)
-        req.device = dev
-        conn = None
+        node = self._node(dev)
         own = trio.current_time() + (timeout or self.timeout)
         self._inflight += 1
         try:
-            while True:
-                pooled = bool(node.idle)
-                at = min(own, deadline)
-                conn = node.idle.pop() if pooled else await self._connect(node, at)
-                conn.deadline = at
-                try:
-                    # (set each time: a reply there at once leaves spin unused)
-                    conn.spin = SPIN if quick and self._inflight == 1 else 0.0
-                    await conn.send(req, parts)
-                    # the payload is a buffer of its own (large ones are received
-                    # into it directly): slices of it are handed out without copies
-                    resp, payload = await conn.recv(pb.Response, own_payload=True)
-                    break
-                except (EOFError, ConnectionResetError, BrokenPipeError):
-                    if not pooled:
-                        raise
-                    # an idle connection the node closed (it restarted, say): not a
-                    # sign of trouble; every request is idempotent, try a fresh one
-                    conn.close()
-                    conn = None
-        except trio.TooSlowError as e:
-            if conn is not None:  # the reply may still come: the stream is out of step
-                conn.close()
-            if deadline < own and trio.current_time() >= deadline:
-                # a node that misses hedged reads' deadlines again and again (stalled,
-                # or unreachable with connects timing out) is skipped for a while, or
-                # every read of it would wait for the hedge first
-                node.late += 1
-                if node.late >= LATE_DOWN:
-                    node.late = 0
-                    node.down_until = time.monotonic() + DOWN_FOR
-                raise TooSlow(f"device {dev}: no reply within the caller's deadline") from e
-            node.down_until = time.monotonic() + DOWN_FOR
-            raise DeviceError(dev, f"node {node.address}: timed out") from e
-        except (OSError, EOFError, ProtocolError) as e:
-            if conn is not None:
-                conn.close()
-            node.down_until = time.monotonic() + DOWN_FOR
-            raise DeviceError(dev, f"node {node.address}: {str(e) or type(e).__name__}") from e
-        except BaseException:
-            if conn is not None:  # cancelled mid-request: the stream is out of step
-                conn.close()
-            raise
+            conn, pooled = await self._start(node, dev, req, parts, own, deadline)
+            spin = SPIN if quick and self._inflight == 1 else 0.0
+            resp, payload = await self._finish(node, dev, req, parts, conn, pooled,
+                                               own, deadline, spin)
         finally:
             self._inflight -= 1
+        return resp, payload
+
+    def _node(self, dev: int) -> _Node:
+        node = self.device_node.get(dev)
+        if node is None:
+            raise DeviceError(dev, "unknown device")
+        return node
+
+    async def _start(self, node: _Node, dev: int, req, parts, own: float, deadline: float):
+        """Send ``req`` on a pooled connection of ``node`` (or a new one): (connection,
+        whether pooled). Every request is idempotent: an idle connection the node
+        closed (it restarted, say) is not a sign of trouble, a fresh one is tried.
+        Failures raise as request() says (_failed); the connection is closed."""
+        req.id = next(self._ids)
+        req.device = dev
+        at = min(own, deadline)
+        while True:
+            pooled = bool(node.idle)
+            try:
+                conn = node.idle.pop() if pooled else await self._connect(node, at)
+            except _FAILURES as e:
+                raise self._failed(node, dev, e, own, deadline) from e
+            conn.deadline = at
+            try:
+                await conn.send(req, parts)
+                return conn, pooled
+            except BaseException as e:
+                self._broken(node, dev, conn, pooled, e, own, deadline)
+
+    async def _finish(self, node: _Node, dev: int, req, parts, conn, pooled: bool,
+                      own: float, deadline: float, spin: float):
+        """The reply to ``req``, sent on ``conn`` by _start: (reply, payload). The
+        connection goes back to the pool; on a failure it is closed (its stream is
+        out of step) and the error raised as request() says."""
+        while True:
+            # (set each time: a reply there at once leaves spin unused)
+            conn.spin = spin
+            try:
+                # the payload is a buffer of its own (large ones are received into it
+                # directly): slices of it are handed out without copies
+                resp, payload = await conn.recv(pb.Response, own_payload=True)
+                break
+            except BaseException as e:
+                self._broken(node, dev, conn, pooled, e, own, deadline)
+            # a pooled connection the node had closed: the request again, afresh
+            conn, pooled = await self._start(node, dev, req, parts, own, deadline)
         if resp.id != req.id:
             conn.close()
             raise DeviceError(dev, f"node {node.address}: reply out of order")
@@ -170,25 +188,115 @@ class TcpTransport:
             raise DeviceError(dev, f"node {node.address}: {resp.error or errno.errorcode.get(resp.errno)}")
         return resp, payload
 
+    def _broken(self, node: _Node, dev: int, conn, pooled: bool, e: BaseException,
+                own: float, deadline: float) -> None:
+        """Called in the handler of ``e``, which broke off a request on ``conn``: close
+        the connection (its stream is out of step: a reply may still come); return if
+        it was an idle pooled one that the node had closed (the caller tries afresh),
+        else raise what request() says (_failed), or ``e`` itself (cancellation)."""
+        conn.close()
+        if pooled and isinstance(e, _STALE):
+            return
+        if isinstance(e, _FAILURES):
+            raise self._failed(node, dev, e, own, deadline) from e
+        raise e
+
+    @staticmethod
+    def _failed(node: _Node, dev: int, e: Exception, own: float,
+                deadline: float) -> Exception:
+        """What a request that failed with ``e`` (one of _FAILURES) raises: TooSlow
+        past the caller's ``deadline`` (earlier than ``own``, the transport's
+        timeout), else DeviceError, and the node is marked down."""
+        if isinstance(e, trio.TooSlowError):
+            if deadline < own and trio.current_time() >= deadline:
+                # a node that misses hedged reads' deadlines again and again (stalled,
+                # or unreachable with connects timing out) is skipped for a while, or
+                # every read of it would wait for the hedge first
+                node.late += 1
+                if node.late >= LATE_DOWN:
+                    node.late = 0
+                    node.down_until = time.monotonic() + DOWN_FOR
+                return TooSlow(f"device {dev}: no reply within the caller's deadline")
+            node.down_until = time.monotonic() + DOWN_FOR
+            return DeviceError(dev, f"node {node.address}: timed out")
+        node.down_until = time.monotonic() + DOWN_FOR
+        return DeviceError(dev, f"node {node.address}: {str(e) or type(e).__name__}")
+
     async def put(self, dev: int, name: str, parts) -> None:
         await self.request(dev, pb.Request(op=Req.PUT, name=name, durable=True), parts)
 
     async def read(self, dev: int, name: str, ranges, check=None,
                    deadline: float = math.inf) -> list[bytes]:
         t0 = time.monotonic()
-        resp, payload = await self.request(
-            dev, pb.Request(op=Req.READ, name=name,
-                            ranges=[pb.Range(offset=o, length=n) for o, n in ranges]),
-            quick=sum(n for _, n in ranges) <= SMALL_READ, deadline=deadline)
-        if len(payload) <= SMALL_READ:  # the round trip, not the transfer time
+        resp, payload = await self.request(dev, _read_request(name, ranges),
+                                           quick=_small(ranges), deadline=deadline)
+        out = self._parts(dev, resp, payload, t0)
+        if check is not None:
+            check(out)
+        return out
+
+    async def read_many(self, reads, deadline: float = math.inf) -> list:
+        """Several reads as read() does them, ``reads`` a list of (dev, name, ranges,
+        check), from this one task: every request is sent before any reply is
+        awaited, then the replies are taken in turn (all are wanted, so waiting for
+        them in order costs nothing). Item by item, the parts read, or the
+        DeviceError, TooSlow or exception of ``check`` that the read failed with.
+
+        A degraded small read asks k nodes at once. As k tasks each sleeping on its
+        socket, four warm 4 KiB reads of four nodes took ~670-730 us and ~580 us of
+        the client's CPU here; this way ~410-440 us and ~320 us: the replies that
+        came meanwhile are taken without a sleep and a wake-up each, and with
+        nothing else under way the first is spun for (Connection._spin_loop)."""
+        own = trio.current_time() + self.timeout
+        out: list = [None] * len(reads)
+        sent = collections.deque()
+        self._inflight += len(reads)
+        try:
+            quiet = self._inflight == len(reads)
+            for i, (dev, name, ranges, _) in enumerate(reads):
+                req = _read_request(name, ranges)
+                try:
+                    node = self._node(dev)
+                    conn, pooled = await self._start(node, dev, req, (), own, deadline)
+                except (DeviceError, TooSlow) as e:
+                    out[i] = e
+                    continue
+                sent.append((i, node, req, conn, pooled, time.monotonic()))
+            while sent:
+                # (off the list first: _finish pools or closes conn, whatever happens)
+                i, node, req, conn, pooled, t0 = sent.popleft()
+                dev, _, ranges, check = reads[i]
+                spin = SPIN if quiet and _small(ranges) else 0.0
+                try:
+                    resp, payload = await self._finish(node, dev, req, (), conn, pooled,
+                                                       own, deadline, spin)
+                except (DeviceError, TooSlow) as e:
+                    out[i] = e
+                    continue
+                parts = out[i] = self._parts(dev, resp, payload, t0)
+                if check is not None:
+                    try:
+                        check(parts)
+                    except Exception as e:  # noqa: BLE001 (the caller's, returned to it)
+                        out[i] = e
+        finally:
+            self._inflight -= len(reads)
+            for item in sent:  # cancelled: replies still owed on these
+                item[3].close()
+        return out
+
+    def _parts(self, dev: int, resp, payload, t0: float) -> list:
+        """A READ's reply as its ranges' parts (views of the payload, no copies); a
+        small one's round trip, since ``t0`` (time.monotonic), goes into the node's
+        smoothed latency (the transfer time of a large one would not say how slow
+        the node is)."""
+        if len(payload) <= SMALL_READ:
             node = self.device_node[dev]
             node.latency = 0.8 * node.latency + 0.2 * (time.monotonic() - t0)
         out, pos = [], 0
         for n in resp.lengths:
-            out.append(payload[pos:pos + n])  # views: no copy
+            out.append(payload[pos:pos + n])
             pos += n
-        if check is not None:
-            check(out)
         return out
 
     async def delete(self, dev: int, name: str) -> None:

@@ -315,3 +315,45 @@ def test_sequential_small_degraded_reads_decode_the_stripe_once(tmp_path):
         assert client.stats["ranges_rebuilt"] - rebuilt == (4 if NATIVE is not None else 0)
         assert (2 in client._decoded) == (NATIVE is None)
     trio.run(main)
+
+
+def test_concurrent_decodes_of_a_stripe_after_a_failed_one_never_strand_a_reader():
+    """Read-ahead asks for a stripe being decoded several times at once. When that decode
+    fails (or its result has left the cache of decoded stripes by the time they wake),
+    the readers that waited must not all decode again side by side: one of them used
+    to take over another's place as "the decoder", the first to finish removed the
+    other's mark (the second then failed with KeyError) and a reader that had come
+    meanwhile waited for a mark nobody would ever set, hanging its FUSE request."""
+    client = DataClient(None, list(range(6)), 4, 2, 4096)
+    first = trio.Event()
+    calls = []
+
+    async def decode(sid, st, avoid=()):
+        calls.append(sid)
+        if len(calls) == 1:
+            await first.wait()
+            raise IOFailure("not this time")
+        await trio.sleep(0.05)
+        return ("stripe", len(calls))
+
+    client._decode_stripe = decode
+    got, failed = [], []
+
+    async def reader():
+        try:
+            got.append(await client._read_degraded(5, None))
+        except IOFailure:
+            failed.append(1)
+
+    async def main():
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):  # the first decodes, two wait for it
+                    nursery.start_soon(reader)
+                await trio.sleep(0.05)
+                first.set()  # the first decode fails: the two waiting go on
+                await trio.sleep(0.01)
+                nursery.start_soon(reader)  # one more comes while they do
+        assert failed == [1] and len(got) == 3 and len(set(got)) == 1
+        assert len(calls) == 2 and not client._decoding  # one decode after the failure
+    trio.run(main)

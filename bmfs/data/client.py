@@ -373,14 +373,17 @@ class DataClient:
         """The stripe decoded from k intact fragments, as the k data fragments' payloads
         (views, trimmed to the stripe's length). Cached: stripes are immutable, so a
         decoded stripe stays right until its id is reused, never."""
-        cached = self._decoded.hit(sid)
-        if cached is not None:
-            return cached
-        busy = self._decoding.get(sid)
-        if busy is not None:  # read-ahead asks for the same stripe concurrently: wait
+        while True:
+            cached = self._decoded.hit(sid)
+            if cached is not None:
+                return cached
+            busy = self._decoding.get(sid)
+            if busy is None:
+                break
+            # read-ahead asks for the same stripe concurrently: wait for that decode,
+            # then look again (it may have failed, or its result left the cache: one
+            # of the waiters decodes, the others wait for that one)
             await busy.wait()
-            if sid in self._decoded:
-                return self._decoded[sid]
         done = self._decoding[sid] = trio.Event()
         try:
             data = await self._decode_stripe(sid, st, avoid)

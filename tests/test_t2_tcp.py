@@ -498,6 +498,55 @@ def test_spinning_wait_lets_others_run_falls_back_and_can_be_cancelled():
     trio.run(main)
 
 
+def test_large_reply_waits_for_its_rest_then_small_ones_are_not_held_back():
+    """A large payload that comes in pieces is received whole, each wait asking the
+    socket to report readable once the rest is there (SO_RCVLOWAT: what is left, at
+    most LOWAT_MAX; a mark left above what is left would never be reached); afterwards
+    the socket reports a small frame at once again (a mark left set would hold it back
+    until the transport's timeout)."""
+    from bmfs.node.protocol import LOWAT_MAX
+    payload = os.urandom(2 * LOWAT_MAX + 12345)
+    big = pb.Response(id=1, lengths=[len(payload)]).SerializeToString()
+    small = pb.Response(id=2).SerializeToString()
+
+    async def main():
+        listener = trio.socket.socket()
+        await listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        client = trio.socket.socket()
+        await client.connect(listener.getsockname())
+        server, _ = await listener.accept()
+        conn = Connection(client, 4096)
+
+        async def send_all(data):
+            view = memoryview(data)
+            while view:
+                view = view[await server.send(view):]
+
+        async def send_in_pieces():
+            # the prefix and a little, most of it, then the rest
+            cuts = [0, 100_000, LOWAT_MAX + LOWAT_MAX // 2, len(payload)]
+            await send_all(PREFIX.pack(len(big), len(payload)) + big)
+            for a, b in zip(cuts, cuts[1:]):
+                await send_all(payload[a:b])
+                await trio.sleep(0.05)
+            await server.send(PREFIX.pack(len(small), 0) + small)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_in_pieces)
+            with trio.fail_after(5):
+                got, data = await conn.recv(pb.Response, own_payload=True)
+            assert got.id == 1 and bytes(data) == payload
+            assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+            with trio.fail_after(2):
+                got, _ = await conn.recv(pb.Response, own_payload=True)
+            assert got.id == 2
+        for s in (listener, server):
+            s.close()
+        conn.close()
+    trio.run(main)
+
+
 def test_spin_setting_from_the_environment(caplog):
     from bmfs.transport.tcp import spin_setting
     assert spin_setting({}) == 0.0005

@@ -9,6 +9,7 @@ cluster secret before anything else (HMAC-SHA256 over the peer's random challeng
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import hmac
@@ -32,6 +33,11 @@ OWN_DIRECT = 64 << 10  # own payloads larger than this are received into their o
 SEND_JOIN = 64 << 10   # payloads up to this are joined with the header into one send
 ALIGNED = 64 << 10     # a node receives larger payloads into a page-aligned buffer
 READ_AHEAD = 64 << 10  # a blocking receive takes at most this much beyond what it needs
+# a large payload's wait for the rest of it asks the socket to report readable only
+# once that much is in (SO_RCVLOWAT, at most this): a 1 MiB reply over loopback comes
+# in ~4 pieces, and waking for each cost the mount ~17% more CPU in cold sequential
+# cluster reads (the kernel caps it at half the receive buffer's limit)
+LOWAT_MAX = 1 << 20
 REPLY_BUFFERS = 48     # large reply buffers a client keeps for reuse (~1 MiB each)
 
 
@@ -228,8 +234,27 @@ class Connection(_Framing):
             view = self._take(plen)
             return msg, (memoryview(bytes(view)) if own_payload else view)
         view, got = self._own_start(plen)
-        while got < plen:
-            got += await self._recv_into(view[got:])
+        lowat = 1
+        try:
+            while got < plen:
+                try:
+                    n = self.sock.recv_into(view[got:])
+                except BlockingIOError:
+                    # wake when the rest is there (what is left, every time: a mark
+                    # above it would never be reached), not at every piece
+                    want = min(plen - got, LOWAT_MAX)
+                    if want != lowat:
+                        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                        lowat = want
+                    await self._wait(trio.lowlevel.wait_readable)
+                    continue
+                if n == 0:
+                    raise EOFError("connection closed by peer")
+                got += n
+        finally:
+            if lowat != 1:  # (a socket that broke meanwhile is closed by the caller)
+                with contextlib.suppress(OSError):
+                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
         return msg, view
 
     async def send(self, message, payload_parts=()) -> None:

@@ -9,10 +9,11 @@ from bmfs.proc import alive
 
 # the main thread ends (pthread_exit: a zombie from then on) while another thread
 # still runs and holds the process's files, a listening socket here
+# (until its stdin is closed)
 LINGER = """
-import ctypes, socket, sys, threading, time
+import ctypes, socket, sys, threading
 s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
-threading.Thread(target=time.sleep, args=(1.5,)).start()
+threading.Thread(target=sys.stdin.read).start()
 print(s.getsockname()[1], flush=True)
 ctypes.CDLL(None).pthread_exit(None)
 """
@@ -24,7 +25,8 @@ def _state(pid):
 
 
 def test_a_process_is_alive_until_its_last_thread_has_exited():
-    p = subprocess.Popen([sys.executable, "-c", LINGER], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", LINGER], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
     try:
         port = int(p.stdout.readline())
         deadline = time.monotonic() + 10
@@ -34,6 +36,7 @@ def test_a_process_is_alive_until_its_last_thread_has_exited():
         # its port still takes connections: the process has not let go of its files
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
         assert alive(p.pid)
+        p.stdin.close()
         while alive(p.pid):  # the other thread ends: now it is gone
             assert time.monotonic() < deadline
             time.sleep(0.01)

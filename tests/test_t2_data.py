@@ -317,21 +317,21 @@ def test_sequential_small_degraded_reads_decode_the_stripe_once(tmp_path):
     trio.run(main)
 
 
-def test_concurrent_decodes_of_a_stripe_after_a_failed_one_never_strand_a_reader():
-    """Read-ahead asks for a stripe being decoded several times at once. When that decode
-    fails (or its result has left the cache of decoded stripes by the time they wake),
-    the readers that waited must not all decode again side by side: one of them used
-    to take over another's place as "the decoder", the first to finish removed the
-    other's mark (the second then failed with KeyError) and a reader that had come
-    meanwhile waited for a mark nobody would ever set, hanging its FUSE request."""
+def test_concurrent_reads_of_a_stripe_share_one_decode_and_never_strand_a_reader():
+    """Read-ahead asks for a stripe being decoded several times at once: the decode
+    under way answers them all, its stripe or its failure (they used to decode again
+    side by side after a failure, each taking the decoding mark over from the last;
+    the first to finish removed another's mark, which then failed with KeyError, and a
+    reader that came meanwhile waited for a mark nobody would set, its FUSE request
+    stuck). A decode that was cancelled leaves the stripe to one of its waiters."""
     client = DataClient(None, list(range(6)), 4, 2, 4096)
-    first = trio.Event()
+    release = trio.Event()
     calls = []
 
     async def decode(sid, st, avoid=()):
         calls.append(sid)
         if len(calls) == 1:
-            await first.wait()
+            await release.wait()
             raise IOFailure("not this time")
         await trio.sleep(0.05)
         return ("stripe", len(calls))
@@ -351,9 +351,22 @@ def test_concurrent_decodes_of_a_stripe_after_a_failed_one_never_strand_a_reader
                 for _ in range(3):  # the first decodes, two wait for it
                     nursery.start_soon(reader)
                 await trio.sleep(0.05)
-                first.set()  # the first decode fails: the two waiting go on
+                release.set()  # the decode fails: all three see it
+            assert failed == [1, 1, 1] and not got and len(calls) == 1
+            # the next reads decode afresh; one cancelled while decoding hands the
+            # stripe to a reader that waited for it
+            scopes = []
+
+            async def cancelled_reader():
+                with trio.CancelScope() as scope:
+                    scopes.append(scope)
+                    await client._read_degraded(5, None)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancelled_reader)
+                await trio.sleep(0.01)  # it decodes (for 0.05 s)
+                nursery.start_soon(reader)  # this one waits for it
                 await trio.sleep(0.01)
-                nursery.start_soon(reader)  # one more comes while they do
-        assert failed == [1] and len(got) == 3 and len(set(got)) == 1
-        assert len(calls) == 2 and not client._decoding  # one decode after the failure
+                scopes[0].cancel()
+            assert got == [("stripe", 3)] and len(calls) == 3 and not client._decoding
     trio.run(main)

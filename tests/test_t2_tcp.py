@@ -523,6 +523,8 @@ def test_large_reply_waits_for_its_rest_then_small_ones_are_not_held_back():
             while view:
                 view = view[await server.send(view):]
 
+        marks = []
+
         async def send_in_pieces():
             # the prefix and a little, most of it, then the rest
             cuts = [0, 100_000, LOWAT_MAX + LOWAT_MAX // 2, len(payload)]
@@ -530,6 +532,8 @@ def test_large_reply_waits_for_its_rest_then_small_ones_are_not_held_back():
             for a, b in zip(cuts, cuts[1:]):
                 await send_all(payload[a:b])
                 await trio.sleep(0.05)
+                # the receiver waits for the rest meanwhile: the socket's mark says so
+                marks.append(conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
             await server.send(PREFIX.pack(len(small), 0) + small)
 
         async with trio.open_nursery() as nursery:
@@ -537,6 +541,7 @@ def test_large_reply_waits_for_its_rest_then_small_ones_are_not_held_back():
             with trio.fail_after(5):
                 got, data = await conn.recv(pb.Response, own_payload=True)
             assert got.id == 1 and bytes(data) == payload
+            assert marks[0] == LOWAT_MAX and 1 < marks[1] < LOWAT_MAX
             assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
             with trio.fail_after(2):
                 got, _ = await conn.recv(pb.Response, own_payload=True)

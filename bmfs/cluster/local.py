@@ -143,6 +143,9 @@ def _stop(pid: int, timeout: float = 5.0) -> None:
         time.sleep(0.05)
     if _alive(pid):
         os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout  # gone, its port too, before a restart
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _reopen(directory: str) -> None:

@@ -51,7 +51,7 @@ class DataClient:
         # the last stripes decoded by degraded reads: a sequential reader asks for the
         # same stripe several times (one request per MiB or less), decode it once
         self._decoded = LRU(DECODED_CACHE)
-        self._decoding: dict[int, trio.Event] = {}  # stripes being decoded right now
+        self._decoding: dict[int, _Decoding] = {}  # stripes being decoded right now
         # stripe -> where its last range rebuilt by a small read ended (_sequential)
         self._rebuilt_end = LRU(REBUILT_KEPT)
         # block checksum tables of fragments whose header was read and verified: a
@@ -380,17 +380,24 @@ class DataClient:
             busy = self._decoding.get(sid)
             if busy is None:
                 break
-            # read-ahead asks for the same stripe concurrently: wait for that decode,
-            # then look again (it may have failed, or its result left the cache: one
-            # of the waiters decodes, the others wait for that one)
-            await busy.wait()
-        done = self._decoding[sid] = trio.Event()
+            # read-ahead asks for the same stripe concurrently: the decode under way
+            # answers them all, its stripe or its failure (IOFailure); if it was
+            # cancelled instead, look again (one of the waiters decodes)
+            await busy.done.wait()
+            if busy.error is not None:
+                raise busy.error
+            if busy.data is not None:
+                return busy.data
+        mine = self._decoding[sid] = _Decoding()
         try:
-            data = await self._decode_stripe(sid, st, avoid)
+            mine.data = await self._decode_stripe(sid, st, avoid)
+        except Exception as e:
+            mine.error = e
+            raise
         finally:
             del self._decoding[sid]
-            done.set()
-        return self._decoded.put(sid, data)
+            mine.done.set()
+        return self._decoded.put(sid, mine.data)
 
     async def _decode_stripe(self, sid, st, avoid=()) -> tuple[memoryview, ...]:
         """The stripe from k whole fragments that determine it (_gather)."""
@@ -459,6 +466,17 @@ class DataClient:
         self.stats[key] += 1
         log.warning("stripe %d fragment %d %s", sid, index, why)
         self.on_damage(sid, index, why)
+
+
+class _Decoding:
+    """A stripe's decode under way (DataClient._read_degraded): what it came to, for
+    the readers that waited for it."""
+    __slots__ = ("done", "data", "error")
+
+    def __init__(self):
+        self.done = trio.Event()
+        self.data = None
+        self.error: Exception | None = None
 
 
 class _CheckedRead:

@@ -244,15 +244,18 @@ class TcpTransport:
 
         A degraded small read asks k nodes at once. As k tasks each sleeping on its
         socket, four warm 4 KiB reads of four nodes took ~670-730 us and ~580 us of
-        the client's CPU here; this way ~410-440 us and ~320 us: the replies that
-        came meanwhile are taken without a sleep and a wake-up each, and with
-        nothing else under way the first is spun for (Connection._spin_loop)."""
+        the client's CPU here; this way ~410-440 us and ~320 us (docs/benchmarks.md):
+        the replies that came meanwhile are taken without a sleep and a wake-up each,
+        and a small one not there yet is spun for when nothing else is under way
+        (Connection._spin_loop). Connections are opened one after another: nodes
+        that drop connects (not refuse them) cost CONNECT_TIMEOUT each, once (then
+        they are down). Only the first reply's round trip goes into its node's
+        latency: the later ones' include the wait for those before them."""
         own = trio.current_time() + self.timeout
         out: list = [None] * len(reads)
         sent = collections.deque()
         self._inflight += len(reads)
         try:
-            quiet = self._inflight == len(reads)
             for i, (dev, name, ranges, _) in enumerate(reads):
                 req = _read_request(name, ranges)
                 try:
@@ -262,10 +265,12 @@ class TcpTransport:
                     out[i] = e
                     continue
                 sent.append((i, node, req, conn, pooled, time.monotonic()))
+            first = True
             while sent:
                 # (off the list first: _finish pools or closes conn, whatever happens)
                 i, node, req, conn, pooled, t0 = sent.popleft()
                 dev, _, ranges, check = reads[i]
+                quiet = self._inflight == len(reads)
                 spin = SPIN if quiet and _small(ranges) else 0.0
                 try:
                     resp, payload = await self._finish(node, dev, req, (), conn, pooled,
@@ -273,7 +278,8 @@ class TcpTransport:
                 except (DeviceError, TooSlow) as e:
                     out[i] = e
                     continue
-                parts = out[i] = self._parts(dev, resp, payload, t0)
+                parts = out[i] = self._parts(dev, resp, payload, t0 if first else None)
+                first = False
                 if check is not None:
                     try:
                         check(parts)
@@ -285,12 +291,12 @@ class TcpTransport:
                 item[3].close()
         return out
 
-    def _parts(self, dev: int, resp, payload, t0: float) -> list:
+    def _parts(self, dev: int, resp, payload, t0: float | None) -> list:
         """A READ's reply as its ranges' parts (views of the payload, no copies); a
-        small one's round trip, since ``t0`` (time.monotonic), goes into the node's
-        smoothed latency (the transfer time of a large one would not say how slow
-        the node is)."""
-        if len(payload) <= SMALL_READ:
+        small one's round trip, since ``t0`` (time.monotonic) if given, goes into the
+        node's smoothed latency (the transfer time of a large one would not say how
+        slow the node is)."""
+        if t0 is not None and len(payload) <= SMALL_READ:
             node = self.device_node[dev]
             node.latency = 0.8 * node.latency + 0.2 * (time.monotonic() - t0)
         out, pos = [], 0

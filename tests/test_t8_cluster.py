@@ -23,11 +23,12 @@ TOTAL = int(os.environ.get("BMFS_CLUSTER_TEST_BYTES", 1 << 30))
 
 
 class Cluster:
-    def __init__(self, path, *up_args):
-        self.dir, self.up_args = str(path), up_args
+    def __init__(self, path, *up_args, nodes=6):
+        self.dir, self.up_args, self.nodes = str(path), up_args, nodes
 
     def __enter__(self):
-        bmfs("cluster", "up", self.dir, "--nodes", 6, "--ec", "4+2", *self.up_args, timeout=120)
+        bmfs("cluster", "up", self.dir, "--nodes", self.nodes, "--ec", "4+2", *self.up_args,
+             timeout=120)
         return self
 
     @property
@@ -161,6 +162,30 @@ with open({str(acked)!r}, "w") as log:
         time.sleep(2.5)
         bmfs("repair", mp)
         assert _status(mp)["fragments_awaiting_repair"] == 0
+    assert_fsck_clean(cluster.dir)
+
+
+def test_drain_with_nowhere_to_move_fragments_is_refused(cluster, tmp_path):
+    """A 4+2 cluster of 6 devices has no device to take a drained one's fragments
+    (each stripe has one on every device): `bmfs node drain` says so and changes
+    nothing. It used to mark the device draining and report success, and every
+    stripe written after it had a fragment missing for good."""
+    mp = tmp_path / "mnt"
+    with Mounted(cluster.dir, mp):
+        (mp / "f").write_bytes(b"x" * 100_000)
+        for op in ("drain", "remove"):
+            r = bmfs("node", op, 3, "-m", mp, check=False)
+            assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+            assert "cannot drain device 3: 4+2 stripes need 6 devices, and 5 would be " \
+                   "left" in r.stderr
+        before = _status(mp)["devices"][3]["fragments"]
+        data = os.urandom(8 << 20)
+        (mp / "g").write_bytes(data)  # new stripes still go to all 6 devices
+        assert _status(mp)["devices"][3]["fragments"] > before
+        s = json.loads(bmfs("scrub", mp, "--json").stdout)
+        assert s["bad_fragments"] == 0 and s["stripes"] == 0  # nothing short
+        _drop_caches()
+        assert (mp / "g").read_bytes() == data
     assert_fsck_clean(cluster.dir)
 
 

@@ -44,6 +44,11 @@ def run_op(args, op, **kw) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in result.items()))
+    left = result.get("fragments_left_on_device") if isinstance(result, dict) else None
+    if left:  # a drain that could not move everything (devices down, stripes unreadable)
+        print(f"bmfs: {left} fragments are still on device {kw.get('device')}; "
+              f"run it again once the volume's other devices are up", file=sys.stderr)
+        return 1
     return 0
 
 

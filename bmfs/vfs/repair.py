@@ -27,7 +27,7 @@ import trio
 
 from ..data import fragment as fr
 from ..data.codec import codec
-from ..errors import IOFailure, NotFound
+from ..errors import IOFailure, NoSpace, NotFound
 from ..meta import keys
 from ..meta.records import EC, NO_DEVICE, Stripe
 from ..transport import DeviceError
@@ -207,6 +207,13 @@ async def drain(volume, device: int, remove: bool = False, progress=None) -> dic
     if raw is None:
         raise NotFound(f"no device {device}")
     rec = json.loads(raw)
+    k, m = volume.data.k, volume.data.m
+    others = [d for d in volume.data.devices if d != device]
+    if len(others) < k + m:
+        # its fragments could go nowhere, and new stripes would be written a fragment
+        # short for as long as it stays drained: refused, nothing changed
+        raise NoSpace(f"cannot drain device {device}: {k}+{m} stripes need {k + m} "
+                      f"devices, and {len(others)} would be left; add a device first")
     rec["draining"] = True
     txn = volume.kv.begin()
     txn.put(keys.device(device), json.dumps(rec).encode())

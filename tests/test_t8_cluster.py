@@ -189,6 +189,34 @@ def test_drain_with_nowhere_to_move_fragments_is_refused(cluster, tmp_path):
     assert_fsck_clean(cluster.dir)
 
 
+def test_drain_and_remove_move_every_fragment_off_a_device(tmp_path):
+    """On a 7-node 4+2 cluster (stripes spread over the 7), `bmfs node drain 3` moves
+    device 3's fragments to the others: the files stay exact with its node killed,
+    and no read needs a decode; `bmfs node remove 3` then forgets it, and new files
+    go to the other 6."""
+    with Cluster(tmp_path / "c7", nodes=7) as c7:
+        mp = tmp_path / "mnt"
+        with Mounted(c7.dir, mp):
+            digests = _write_varied(mp, 40 << 20)
+            counts = [d["fragments"] for d in _status(mp)["devices"]]
+            assert len(counts) == 7 and all(counts), counts  # spread over all 7
+            r = bmfs("node", "drain", 3, "-m", mp)
+            assert "fragments left on device: 0" in r.stdout, r.stdout
+            assert _status(mp)["devices"][3]["fragments"] == 0
+            c7.kill(3)
+            _drop_caches()
+            _check(mp, digests)
+            assert _status(mp)["data"]["degraded_reads"] == 0
+            r = bmfs("node", "remove", 3, "-m", mp)
+            assert "removed: True" in r.stdout, r.stdout
+            digests.update({f"more/{k}": v for k, v in
+                            _write_varied(mp / "more", 8 << 20, seed=2).items()})
+            _drop_caches()
+            _check(mp, digests)
+            assert _status(mp)["devices"][3]["fragments"] == 0
+        assert_fsck_clean(c7.dir)
+
+
 def test_slow_node_hedged_reads(cluster, tmp_path):
     mp = tmp_path / "mnt"
     with Mounted(cluster.dir, mp):

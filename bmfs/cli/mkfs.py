@@ -10,7 +10,7 @@ def add_parser(sub):
     p.add_argument("volume", help="directory for the volume (metadata and default devices)")
     p.add_argument("--ec", default="4+2", help="erasure code K+M (default 4+2)")
     p.add_argument("--device", action="append", default=[], metavar="PATH",
-                   help="a device directory; give exactly K+M (default: inside VOLUME)")
+                   help="a device directory; give K+M or more (default: K+M inside VOLUME)")
     p.add_argument("--meta", help="metadata URL (default sqlite:VOLUME/meta.db)")
     p.add_argument("--fragment-size", type=int, default=1 << 20, help=argparse_help())
     p.add_argument("--layout", choices=LAYOUTS, default=None,

@@ -143,6 +143,8 @@ async def check_fragments(volume, stripes: dict[int, Stripe], full: bool, repair
             except Exception as e:  # noqa: BLE001 - every failure is a finding
                 problems.append(f"stripe {sid} fragment {i} on device {dev}: {e}")
     for dev in sorted(volume.device_paths):
+        if dev in volume.removed:  # forgotten: it holds nothing, and may be gone
+            continue
         try:
             names = set(await volume.transport.names(dev))
         except DeviceError as e:

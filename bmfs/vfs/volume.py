@@ -57,8 +57,8 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
         raise VolumeError(f"{path} already holds a bmfs volume")
     if layout not in LAYOUTS:
         raise VolumeError(f"unknown device layout {layout!r} (one of {', '.join(LAYOUTS)})")
-    if devices and len(devices) != k + m:
-        raise VolumeError(f"--ec {k}+{m} needs exactly {k + m} devices, {len(devices)} given")
+    if devices and len(devices) < k + m:
+        raise VolumeError(f"--ec {k}+{m} needs at least {k + m} devices, {len(devices)} given")
     os.makedirs(path, exist_ok=True)
     devices = [d if d.startswith("pmem:") else os.path.abspath(d) for d in devices] if devices else \
         [os.path.join(os.path.abspath(path), f"dev{i}") for i in range(k + m)]
@@ -152,6 +152,7 @@ class Volume:
         self.transport = transport
         self.data = data
         self.device_paths = device_paths
+        self.removed: set[int] = set()  # devices `bmfs node remove` forgot
         self.damage: list[tuple[int, int, str]] = []
         self._usage = None
 
@@ -191,6 +192,7 @@ class Volume:
             devs = sorted(dev for dev, rec in records.items()
                           if not rec.get("removed") and not rec.get("draining"))
             vol = cls(path, kv, settings, transport, None, paths)
+            vol.removed = {dev for dev, rec in records.items() if rec.get("removed")}
             domains = {dev: rec.get("domain") or rec.get("node", "local")
                        for dev, rec in records.items()}
             vol.data = DataClient(transport, devs, settings.k, settings.m, settings.inline_max,

@@ -207,20 +207,21 @@ class TcpTransport:
         """What a request that failed with ``e`` (one of _FAILURES) raises: TooSlow
         past the caller's ``deadline`` (earlier than ``own``, the transport's
         timeout), else DeviceError, and the node is marked down."""
-        if isinstance(e, trio.TooSlowError):
-            if deadline < own and trio.current_time() >= deadline:
-                # a node that misses hedged reads' deadlines again and again (stalled,
-                # or unreachable with connects timing out) is skipped for a while, or
-                # every read of it would wait for the hedge first
-                node.late += 1
-                if node.late >= LATE_DOWN:
-                    node.late = 0
-                    node.down_until = time.monotonic() + DOWN_FOR
+        late = isinstance(e, trio.TooSlowError)
+        if late and deadline < own and trio.current_time() >= deadline:
+            # a node that misses hedged reads' deadlines again and again (stalled, or
+            # unreachable with connects timing out) is skipped for a while, or every
+            # read of it would wait for the hedge first
+            node.late += 1
+            if node.late < LATE_DOWN:
                 return TooSlow(f"device {dev}: no reply within the caller's deadline")
+            node.late = 0
             node.down_until = time.monotonic() + DOWN_FOR
-            return DeviceError(dev, f"node {node.address}: timed out")
+            return TooSlow(f"device {dev}: no reply within the caller's deadline "
+                           f"({LATE_DOWN} in a row: skipped for {DOWN_FOR:g} s)")
         node.down_until = time.monotonic() + DOWN_FOR
-        return DeviceError(dev, f"node {node.address}: {str(e) or type(e).__name__}")
+        what = "timed out" if late else str(e) or type(e).__name__
+        return DeviceError(dev, f"node {node.address}: {what}")
 
     async def put(self, dev: int, name: str, parts) -> None:
         await self.request(dev, pb.Request(op=Req.PUT, name=name, durable=True), parts)

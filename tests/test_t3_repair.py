@@ -1,9 +1,12 @@
 """Level 3: repair over a volume of in-process devices (no FUSE)."""
 import os
 
+import pytest
 import trio
 
+from bmfs.errors import Invalid, NoSpace
 from bmfs.vfs import repair
+from bmfs.vfs.volume import mkfs
 from bmfs.vfs.fsck import fsck
 from fragments import intact_keys, lose, on_device
 from vfsutil import open_fs, read_file, write_file
@@ -101,6 +104,69 @@ def test_fragments_of_the_first_revision_still_read_and_repair(tmp_path, monkeyp
             assert problems == []
             fs.volume.data._decoded.clear()
             fs.volume.data._tables.clear()
+            for name, ino in inos.items():
+                assert await read_file(fs, ino) == files[name]
+    trio.run(main)
+
+
+def test_add_drain_undrain_remove_a_device(tmp_path):
+    """A 4+2 volume of 6 directories: drain is refused (nowhere to move); `add_device`
+    formats a seventh directory, and new stripes use it; drain then empties device 0
+    and keeps new stripes off it; undrain puts it back; remove forgets it for good,
+    its id is not reused. Wrong adds change nothing and say why."""
+    vol = tmp_path / "vol"
+    files = {}
+
+    async def main():
+        async with open_fs(vol) as fs:
+            v = fs.volume
+
+            async def put(name, size):
+                files[name] = os.urandom(size)
+                return await write_file(fs, ROOT, name, files[name])
+
+            def count(dev):
+                return len(on_device(v.device_paths[dev]))
+            inos = {b"a": await put(b"a", 12 << 20)}
+            with pytest.raises(NoSpace, match="add a device first"):
+                await repair.drain(v, 0)
+            assert v.data.devices == [0, 1, 2, 3, 4, 5]
+            # wrong adds: a node address on a volume of directories, an id in use,
+            # a path in use, a directory of another volume
+            other = tmp_path / "other"
+            await mkfs(str(other))
+            for kw, why in (({"address": "127.0.0.1:9"}, "directories of this machine"),
+                            ({"device": 3}, "device 3 exists already"),
+                            ({"path": str(vol / "dev1")}, "is device 1 already"),
+                            ({"path": str(other / "dev0")}, "belongs to another volume")):
+                with pytest.raises(Invalid, match=why):
+                    await repair.add_device(v, **{"path": str(tmp_path / "x"), **kw})
+            assert not (tmp_path / "x").exists() and len(v.data.devices) == 6
+            r = await repair.add_device(v, str(tmp_path / "d6"))
+            assert r["device"] == 6 and v.data.devices == [0, 1, 2, 3, 4, 5, 6]
+            inos[b"b"] = await put(b"b", 16 << 20)
+            assert count(6) > 0  # new stripes are spread over the seven
+            r = await repair.drain(v, 0)
+            assert r["fragments_left_on_device"] == 0 and count(0) == 0
+            inos[b"c"] = await put(b"c", 8 << 20)
+            assert count(0) == 0  # kept off the drained device
+            r = await repair.undrain(v, 0)
+            assert r["was_draining"] and 0 in v.data.devices
+            inos[b"d"] = await put(b"d", 16 << 20)
+            assert count(0) > 0
+            r = await repair.drain(v, 2, remove=True)
+            assert r["removed"] and v.removed == {2} and 2 not in v.data.devices
+            with pytest.raises(Invalid, match="was removed"):
+                await repair.undrain(v, 2)
+            with pytest.raises(Invalid, match="ids are not reused"):
+                await repair.add_device(v, str(tmp_path / "y"), device=2)
+            v.data._decoded.clear()
+            for name, ino in inos.items():
+                assert await read_file(fs, ino) == files[name]
+        # reopened: the same devices, states and data
+        async with open_fs(vol) as fs:
+            v = fs.volume
+            assert v.data.devices == [0, 1, 3, 4, 5, 6] and v.removed == {2}
             for name, ino in inos.items():
                 assert await read_file(fs, ino) == files[name]
     trio.run(main)

@@ -1,5 +1,5 @@
 """bmfs cluster up DIR --nodes N [--ec K+M] | bmfs cluster start DIR [--node I] |
-bmfs cluster down DIR"""
+bmfs cluster add DIR | bmfs cluster down DIR"""
 from ..config import parse_ec
 from ..store.pmem import LAYOUTS
 
@@ -24,6 +24,11 @@ def add_parser(sub):
     r.add_argument("--node", type=int, help="(re)start just this node index")
     r.add_argument("--fault", help="test fault control for the node: delay=SECONDS")
     r.set_defaults(func=run_start)
+    a = cs.add_parser("add", help="start one more node with a new device and add the "
+                                  "device to the volume (mounted or not)")
+    a.add_argument("dir")
+    a.add_argument("--domain", help="the new node's failure domain (default: its own)")
+    a.set_defaults(func=run_add)
     d = cs.add_parser("down", help="stop every process of the cluster in DIR")
     d.add_argument("dir")
     d.set_defaults(func=run_down)
@@ -59,3 +64,18 @@ def run_start(args) -> int:
     started = local.restart(args.dir, args.node, args.fault)
     print("started " + (", ".join(started) or "nothing (all running)"))
     return 0
+
+
+def run_add(args) -> int:
+    from ..cluster import local
+    from .repair import run_op
+    node = local.add_node(args.dir, args.domain)
+    args.volume = args.dir
+    try:
+        rc = run_op(args, "add_device", path=node["path"], address=node["address"],
+                    device=node["device"], domain=args.domain)
+    except BaseException:
+        local.drop_node(args.dir, node)
+        raise
+    print(f"node{node['index']}  pid {node['pid']}  {node['address']}  device {node['device']}")
+    return rc

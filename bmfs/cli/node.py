@@ -1,11 +1,13 @@
-"""bmfs node serve|drain|remove"""
+"""bmfs node serve|drain|remove|undrain|add"""
 from __future__ import annotations
 
 import os
 
 import trio
 
+from ..store.pmem import LAYOUTS
 from .main import UserError
+from .repair import run_op
 
 
 def add_parser(sub):
@@ -27,9 +29,37 @@ def add_parser(sub):
                              ("remove", "drain a device, then forget it")):
         d = ns.add_parser(action, help=helptext)
         d.add_argument("device", type=int, help="device id (see bmfs status)")
-        d.add_argument("--volume", help="volume directory (unmounted)")
-        d.add_argument("-m", "--mount", help="a mount of the volume")
+        _target_options(d)
         d.set_defaults(func=run_drain, remove=action == "remove")
+    u = ns.add_parser("undrain", help="put a drained device back in service")
+    u.add_argument("device", type=int, help="device id (see bmfs status)")
+    _target_options(u)
+    u.set_defaults(func=lambda a: run_op(a, "undrain", device=a.device))
+    a = ns.add_parser("add", help="add a device to a volume (new stripes use it)")
+    a.add_argument("path", help="the device directory (pmem:PATH for a pool file); on a "
+                                "storage node, its path there")
+    a.add_argument("--address", metavar="HOST:PORT",
+                   help="the storage node serving it (volumes on storage nodes): start it "
+                        "first with bmfs node serve --device ID=PATH")
+    a.add_argument("--id", type=int, help="the device id (default: the next free one; "
+                                          "the id the node serves it under)")
+    a.add_argument("--domain", help="its failure domain (default: its node)")
+    a.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="a new directory's layout (default: that of the volume's devices)")
+    _target_options(a)
+    a.set_defaults(func=run_add)
+
+
+def _target_options(p) -> None:
+    p.add_argument("--volume", help="volume directory (unmounted)")
+    p.add_argument("-m", "--mount", help="a mount of the volume")
+
+
+def run_add(args) -> int:
+    path = args.path if args.path.startswith("pmem:") or args.address else \
+        os.path.abspath(args.path)  # the mount's working directory is not ours
+    return run_op(args, "add_device", path=path, address=args.address, device=args.id,
+                  domain=args.domain, layout=args.layout)
 
 
 def run_serve(args) -> int:
@@ -64,5 +94,4 @@ def run_serve(args) -> int:
 
 
 def run_drain(args) -> int:
-    from .repair import run_op
     return run_op(args, "drain", device=args.device, remove=args.remove)

@@ -8,6 +8,7 @@ import sys
 import trio
 
 from .common import control, find_mount, mounts
+from .main import UserError
 
 
 def add_parser(sub):
@@ -35,6 +36,8 @@ def _mount_of(target: str | None):
 def run_op(args, op, **kw) -> int:
     target = getattr(args, "target", None) or getattr(args, "mount", None) or \
         getattr(args, "volume", None)
+    if not target:
+        raise UserError("which volume? give --volume DIR or --mount MOUNTPOINT")
     mp = _mount_of(target)
     if mp:
         result = control(mp, op, **kw)

@@ -1,11 +1,12 @@
-"""`bmfs cluster up/start/down`: a test cluster of storage-node processes on this machine.
+"""`bmfs cluster up/start/add/down`: a test cluster of storage-node processes on this machine.
 
 DIR/cluster.json lists every process with its pid and address; DIR is also the volume
 directory (volume.json, the metadata, the cluster secret), so `bmfs mount MP --volume
 DIR` mounts it. Each node is a separate `bmfs node serve` process on loopback owning
 one device directory DIR/nodeN/dev. `down` stops every process and renames the file to
 DIR/cluster.json.down; `start` renames it back and starts every process again on the
-same ports and data.
+same ports and data. `add` starts one more node with a new device and adds the device
+to the volume.
 """
 from __future__ import annotations
 
@@ -104,6 +105,40 @@ def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None,
         raise
     write_info(directory, info)
     return info
+
+
+def add_node(directory: str, domain: str | None = None) -> dict:
+    """Start one more node, with a new device directory DIR/nodeN/dev formatted for the
+    volume (the layout of node 0's), and list it in cluster.json; the caller adds the
+    device to the volume (repair.add_device), or undoes this with drop_node if that
+    fails. The node's record."""
+    from ..store.pmem import format_store
+    from ..store.pool import is_pool
+    info = read_info(directory)
+    index = max(n["index"] for n in info["nodes"]) + 1
+    dev = max(n["device"] for n in info["nodes"]) + 1
+    path = os.path.join(os.path.abspath(directory), f"node{index}", "dev")
+    layout = "pool" if is_pool(info["nodes"][0]["path"]) else "files"
+    format_store(path, info["uuid"], dev, layout)
+    port = free_ports(1)[0]
+    node = {"index": index, "device": dev, "path": path, "port": port,
+            "address": f"127.0.0.1:{port}", "uuid": info["uuid"], "meta": info.get("meta")}
+    if domain:
+        node["domain"] = domain
+    node["pid"] = start_node(directory, node)
+    info["nodes"].append(node)
+    write_info(directory, info)
+    return node
+
+
+def drop_node(directory: str, node: dict) -> None:
+    """Undo add_node: stop the node, take it out of cluster.json, delete its directory."""
+    import shutil
+    _stop(node["pid"])
+    info = read_info(directory)
+    info["nodes"] = [n for n in info["nodes"] if n["index"] != node["index"]]
+    write_info(directory, info)
+    shutil.rmtree(os.path.dirname(node["path"]), ignore_errors=True)
 
 
 def read_info(directory: str) -> dict:

@@ -118,7 +118,8 @@ def _remove_pid(paths: list[str]) -> None:
 
 
 async def _gc_loop(fs):
-    """Background upkeep: record damage seen by reads, delete garbage stripes, free
+    """Background upkeep: take up device changes made elsewhere (Volume.refresh_devices),
+    record damage seen by reads, delete garbage stripes, free
     orphans of dead mounts (etcd), and every REPAIR_EVERY rounds repair the fragments
     queued as missing or corrupt. Background repair runs on single-owner volumes only:
     on a shared (etcd) volume two mounts could rebuild one fragment twice, so there
@@ -129,6 +130,7 @@ async def _gc_loop(fs):
         await trio.sleep(GC_INTERVAL)
         rounds += 1
         try:
+            await fs.volume.refresh_devices()  # devices added or drained elsewhere
             await fs.volume.record_damage()
             await fs.volume_gc()
             if shared:

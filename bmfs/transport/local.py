@@ -43,9 +43,8 @@ INLINE = os.environ.get("BMFS_INLINE_READS", "1") != "0"
 class LocalTransport:
     def __init__(self, stores: dict, threads: int = 12):
         self.stores = stores  # dev id -> store (or an exception saying why it is absent)
-        for store in stores.values():
-            if hasattr(store, "drop_behind"):
-                store.drop_behind = True  # large reads land in the mount's page cache
+        for dev, store in stores.items():
+            self.add_device(dev, store)  # large reads land in the mount's page cache
         self._limiter = trio.CapacityLimiter(threads)
         self._stalled: dict[int, float] = {}  # dev -> time until which reads use threads
         self._stalls: dict[int, int] = {}     # dev -> times it stalled
@@ -53,6 +52,12 @@ class LocalTransport:
         self._threaded = 0                    # reads under way in worker threads
         self._waiting = None                  # poll() of the FUSE device, if watched
         self.stats = {"inline_reads": 0, "thread_reads": 0}
+
+    def add_device(self, dev: int, store) -> None:
+        """Serve device ``dev`` from ``store`` (or an exception saying why it is absent)."""
+        if hasattr(store, "drop_behind"):
+            store.drop_behind = True
+        self.stores[dev] = store
 
     def watch_requests(self, fd: int) -> None:
         """``fd`` is the FUSE device: requests queued on it are others waiting, which

@@ -89,6 +89,14 @@ class TcpTransport:
         self._inflight = 0  # requests under way
         self.stores = {dev: addr for dev, addr in devices.items()}  # for status
 
+    def add_device(self, dev: int, address: str) -> None:
+        """Reach device ``dev`` at the node at ``address`` from now on."""
+        node = self.nodes.get(address)
+        if node is None:
+            node = self.nodes[address] = _Node(address)
+        self.device_node[dev] = node
+        self.stores[dev] = address
+
     def is_up(self, dev: int) -> bool:
         node = self.device_node.get(dev)
         return node is not None and node.down_until <= time.monotonic()

@@ -111,7 +111,7 @@ class Control:
         if op == "status":
             from .status import volume_status
             return await volume_status(self.fs.volume)
-        if op in ("repair", "scrub", "drain"):
+        if op in ("repair", "scrub", "drain", "undrain", "add_device"):
             from . import repair
             args = {k: v for k, v in req.items() if k != "op"}
             return await getattr(repair, op)(self.fs.volume, **args)

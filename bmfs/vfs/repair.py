@@ -15,19 +15,21 @@
 - ``scrub`` reads every fragment in full, checks every block checksum, queues the bad
   ones and repairs them.
 - ``drain`` marks a device as draining (no new fragments), repairs everything off it,
-  and with ``remove`` forgets it.
+  and with ``remove`` forgets it; ``undrain`` puts a drained device back in service;
+  ``add_device`` adds a device to the volume (new stripes use it from then on).
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import weakref
 
 import trio
 
 from ..data import fragment as fr
 from ..data.codec import codec
-from ..errors import IOFailure, NoSpace, NotFound
+from ..errors import Invalid, IOFailure, NoSpace, NotFound, VolumeError
 from ..meta import keys
 from ..meta.records import EC, NO_DEVICE, Stripe
 from ..transport import DeviceError
@@ -214,17 +216,126 @@ async def drain(volume, device: int, remove: bool = False, progress=None) -> dic
         # short for as long as it stays drained: refused, nothing changed
         raise NoSpace(f"cannot drain device {device}: {k}+{m} stripes need {k + m} "
                       f"devices, and {len(others)} would be left; add a device first")
-    rec["draining"] = True
-    txn = volume.kv.begin()
-    txn.put(keys.device(device), json.dumps(rec).encode())
-    await volume.kv.commit(txn)
-    if device in volume.data.devices:
-        volume.data.devices.remove(device)
+    await set_device(volume, device, draining=True)
     result = await repair(volume, avoid={device}, progress=progress)
     left = sum(st.devices.count(device) for _, st in [x async for x in _stripes(volume)])
     if remove and left == 0:
-        rec["removed"] = True
-        txn = volume.kv.begin()
-        txn.put(keys.device(device), json.dumps(rec).encode())
-        await volume.kv.commit(txn)
+        await set_device(volume, device, removed=True)
     return {**result, "fragments_left_on_device": left, "removed": bool(remove and left == 0)}
+
+
+async def set_device(volume, device: int, **changes) -> dict:
+    """Change device ``device``'s record (``draining``/``removed``: True sets, False
+    clears) in a transaction, and take the records up (Volume._take_up): new stripes
+    go to the devices in service from the next write on. The record, changed."""
+    from .volume import device_records
+
+    async def fn(txn):
+        raw = await txn.get(keys.device(device))
+        if raw is None:
+            raise NotFound(f"no device {device}")
+        rec = json.loads(raw)
+        for key, on in changes.items():
+            if on:
+                rec[key] = True
+            else:
+                rec.pop(key, None)
+        txn.put(keys.device(device), json.dumps(rec).encode())
+        return rec
+    rec = await volume.kv.transact(fn)
+    volume._take_up(await device_records(volume.kv))
+    return rec
+
+
+async def undrain(volume, device: int, progress=None) -> dict:
+    """Put a drained (or draining) device back in service: new stripes may go to it
+    again. Its fragments stay where the drain moved them (as with Ceph's ``osd in``,
+    nothing moves back by itself). A removed device was forgotten: add it again."""
+    from .volume import device_records
+    rec = (await device_records(volume.kv)).get(device)
+    if rec is None:
+        raise NotFound(f"no device {device}")
+    if rec.get("removed"):
+        raise Invalid(f"device {device} was removed; add its directory again as a new "
+                      f"device (bmfs node add)")
+    was = bool(rec.get("draining"))
+    await set_device(volume, device, draining=False)
+    return {"device": device, "was_draining": was, "in_service": True}
+
+
+async def add_device(volume, path: str, address: str | None = None, device: int | None = None,
+                     domain: str | None = None, layout: str | None = None,
+                     progress=None) -> dict:
+    """Add a device to the volume: the directory ``path`` of this machine (formatted
+    for the volume here if it is not yet), or on a storage node's volume the device
+    ``device`` served by the node at ``address`` (started with
+    ``bmfs node serve --device ID=PATH``), which must answer. Its id is the next free
+    one unless ``device`` is given; ids of removed devices are not reused. New
+    stripes are placed over it with the others from then on; what is stored stays
+    where it is."""
+    from ..store.pmem import format_store, open_store
+    from .volume import DEFAULT_LAYOUT, device_records
+    records = await device_records(volume.kv)
+    if device is None:
+        device = max(records, default=-1) + 1
+    if device < 0 or device > 0xFFFE:
+        raise Invalid(f"device id {device} out of range (0-65534)")
+    if device in records:
+        raise Invalid(f"device {device} exists already" if not records[device].get("removed")
+                      else f"device {device} was removed; ids are not reused")
+    if volume.on_nodes != (address is not None):
+        raise Invalid("this volume's devices are on storage nodes: give the address "
+                      "(HOST:PORT) of the node serving the new device" if volume.on_nodes else
+                      "this volume's devices are directories of this machine: no node "
+                      "address")
+    if not path.startswith("pmem:") and not address:
+        path = os.path.abspath(path)
+    rec = {"path": path, "node": address or "local"}
+    if domain:
+        rec["domain"] = domain
+    for dev, other in records.items():
+        if not other.get("removed") and (other.get("node"), other.get("path")) == \
+                (rec["node"], path):
+            raise Invalid(f"{path} is device {dev} already")
+    if address is None:
+        try:
+            if not path.startswith("pmem:") and \
+                    not os.path.exists(os.path.join(path, "DEVICE")):
+                layout = layout or _layout_of(volume, records) or DEFAULT_LAYOUT
+                await trio.to_thread.run_sync(format_store, path, volume.settings.uuid,
+                                              device, layout)
+            # a directory of another volume or device is refused here
+            open_store(path, volume.settings.uuid, device)
+        except (VolumeError, OSError) as e:
+            raise Invalid(f"cannot use {path} as device {device}: {e}") from e
+    else:
+        if ":" not in address or not address.rpartition(":")[2].isdigit():
+            raise Invalid(f"a node address is HOST:PORT, not {address!r}")
+        volume.transport.add_device(device, address)
+        try:
+            with trio.fail_after(5):
+                await volume.transport.stat(device)
+        except (DeviceError, OSError, trio.TooSlowError) as e:
+            volume.transport.device_node.pop(device, None)
+            raise Invalid(f"the node at {address} does not serve device {device} ({e}); "
+                          f"start it with: bmfs node serve --device {device}=PATH ...")
+
+    async def fn(txn):
+        if await txn.get(keys.device(device)) is not None:
+            raise Invalid(f"device {device} exists already")
+        txn.put(keys.device(device), json.dumps(rec).encode())
+    await volume.kv.transact(fn)
+    volume._take_up(await device_records(volume.kv))
+    return {"device": device, "path": path, "node": rec["node"],
+            "devices_in_service": len(volume.data.devices)}
+
+
+def _layout_of(volume, records) -> str | None:
+    """The layout (pool or files) of the volume's first local device directory."""
+    from ..store.pool import is_pool
+    for rec in records.values():
+        p = rec.get("path", "")
+        if rec.get("node", "local") == "local" and not p.startswith("pmem:") \
+                and os.path.isdir(p):
+            return "pool" if is_pool(p) else "files"
+    return None

@@ -20,10 +20,13 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
             counts[dev] = counts.get(dev, 0) + 1
     usage = await volume.device_usage(max_age=0)
     for dev, path in sorted(volume.device_paths.items()):
+        if dev in volume.removed:  # forgotten (`bmfs node remove`): listed apart
+            continue
         u = usage.get(dev)
         nodes = getattr(volume.transport, "device_node", None)
         rec = {"id": dev, "path": path, "fragments": counts.get(dev, 0),
-               "node": nodes[dev].address if nodes else "local"}
+               "node": nodes[dev].address if nodes else "local",
+               "state": "in" if dev in volume.data.devices else "draining"}
         if isinstance(u, Exception) or u is None:
             rec.update(health="missing", error=str(u))
         else:
@@ -41,7 +44,8 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
     snapshots = [k[2:].decode() for k, _ in await volume.kv.range(b"n/", b"n0")]
     return {"volume": os.path.abspath(volume.path), "uuid": s.uuid, "ec": f"{s.k}+{s.m}",
             "format": s.format, "stripe_size": s.stripe_size, "inline_max": s.inline_max,
-            "meta": volume.kv.url, "meta_engine": volume.kv.statistics(), "devices": devices, "nodes": nodes, "fragments_awaiting_repair": pending_repair,
+            "meta": volume.kv.url, "meta_engine": volume.kv.statistics(), "devices": devices,
+            "removed_devices": sorted(volume.removed), "nodes": nodes, "fragments_awaiting_repair": pending_repair,
             "stripes_awaiting_gc": gc_queue, "branches": branches, "snapshots": snapshots,
             "data": data_stats or dict(volume.data.stats),
             "transport": dict(getattr(volume.transport, "stats", {}))}
@@ -55,12 +59,16 @@ def render(st: dict) -> str:
     lines.append(f"branches {', '.join(st['branches']) or '-'}; "
                  f"snapshots {', '.join(st['snapshots']) or '-'}")
     lines.append("")
-    lines.append(f"{'dev':>3}  {'health':<8} {'fragments':>9} {'used':>10} {'free':>10}  path")
+    lines.append(f"{'dev':>3}  {'health':<8} {'state':<8} {'fragments':>9} {'used':>10} "
+                 f"{'free':>10}  path")
     for d in st["devices"]:
         used = d["total"] - d["free"] if "total" in d else None
         where = d["path"] if d.get("node") == "local" else f"{d['node']}  {d['path']}"
-        lines.append(f"{d['id']:>3}  {d['health']:<8} {d['fragments']:>9} "
-                     f"{_size(used):>10} {_size(d.get('free')):>10}  {where}")
+        lines.append(f"{d['id']:>3}  {d['health']:<8} {d.get('state', 'in'):<8} "
+                     f"{d['fragments']:>9} {_size(used):>10} {_size(d.get('free')):>10}  {where}")
+    if st.get("removed_devices"):
+        lines.append("removed (bmfs node remove): "
+                     + ", ".join(str(d) for d in st["removed_devices"]))
     if st.get("nodes"):
         lines.append("")
         lines.append("nodes registered in the metadata (leased heartbeats):")

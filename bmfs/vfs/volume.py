@@ -100,6 +100,18 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
     return settings
 
 
+async def device_records(kv) -> dict[int, dict]:
+    """Every device record (removed ones too): device id -> its record."""
+    return {int(k[len(keys.DEVICE_PREFIX):], 16): json.loads(v)
+            for k, v in await kv.range(keys.DEVICE_PREFIX, keys.DEVICE_PREFIX + b"\xff")}
+
+
+def in_service(records: dict[int, dict]) -> list[int]:
+    """The devices new fragments may go to: neither draining nor removed."""
+    return sorted(dev for dev, rec in records.items()
+                  if not rec.get("removed") and not rec.get("draining"))
+
+
 def _local_transport(settings, records) -> LocalTransport:
     stores = {}
     for dev, rec in records.items():
@@ -153,6 +165,7 @@ class Volume:
         self.data = data
         self.device_paths = device_paths
         self.removed: set[int] = set()  # devices `bmfs node remove` forgot
+        self.devices_changed = 0  # times _take_up changed the device lists
         self.damage: list[tuple[int, int, str]] = []
         self._usage = None
 
@@ -181,26 +194,56 @@ class Volume:
             settings = VolumeSettings.from_json(d)
             if settings.uuid != info.get("uuid"):
                 raise VolumeError(f"{path}: {VOLUME_FILE} and the metadata name different volumes")
-            records = {int(k[len(keys.DEVICE_PREFIX):], 16): json.loads(v)
-                       for k, v in await kv.range(keys.DEVICE_PREFIX,
-                                                  keys.DEVICE_PREFIX + b"\xff")}
-            paths = {dev: rec.get("path", "") for dev, rec in records.items()}
+            records = await device_records(kv)
             if any(rec.get("node", "local") != "local" for rec in records.values()):
                 transport = _tcp_transport(path, info, records)
             else:
                 transport = _local_transport(settings, records)
-            devs = sorted(dev for dev, rec in records.items()
-                          if not rec.get("removed") and not rec.get("draining"))
-            vol = cls(path, kv, settings, transport, None, paths)
-            vol.removed = {dev for dev, rec in records.items() if rec.get("removed")}
-            domains = {dev: rec.get("domain") or rec.get("node", "local")
-                       for dev, rec in records.items()}
-            vol.data = DataClient(transport, devs, settings.k, settings.m, settings.inline_max,
-                                  on_damage=vol._damaged, domains=domains)
+            vol = cls(path, kv, settings, transport, None, {})
+            vol.data = DataClient(transport, [], settings.k, settings.m, settings.inline_max,
+                                  on_damage=vol._damaged)
+            vol._take_up(records)
             return vol
         except BaseException:
             await kv.aclose()
             raise
+
+    @property
+    def on_nodes(self) -> bool:
+        """Whether the devices are storage nodes' (TCP), not this machine's directories."""
+        return not isinstance(self.transport, LocalTransport)
+
+    def _take_up(self, records: dict[int, dict]) -> None:
+        """Make the device records the volume's: devices new to it are attached to the
+        transport; the data client places new stripes on those in service (neither
+        draining nor removed), keeping its list object (the same one everywhere)."""
+        for dev, rec in records.items():
+            if dev in self.device_paths or rec.get("removed"):
+                continue
+            if self.on_nodes:
+                self.transport.add_device(dev, rec["node"])
+            elif dev not in self.transport.stores:
+                try:
+                    store = open_store(rec["path"], self.settings.uuid, dev)
+                except VolumeError as e:
+                    store = e
+                self.transport.add_device(dev, store)
+        self.device_paths = {dev: rec.get("path", "") for dev, rec in records.items()}
+        self.removed = {dev for dev, rec in records.items() if rec.get("removed")}
+        self.data.devices[:] = in_service(records)
+        self.data.domains.update((dev, rec.get("domain") or rec.get("node", "local"))
+                                 for dev, rec in records.items())
+        self.devices_changed += 1
+
+    async def refresh_devices(self) -> None:
+        """Take up what other processes changed in the device records (a device added,
+        drained, undrained or removed by another mount or offline): the mount's
+        upkeep loop calls this every few seconds. Records read while this process
+        changed them itself are dropped (theirs are newer)."""
+        seen = self.devices_changed
+        records = await device_records(self.kv)
+        if seen == self.devices_changed:
+            self._take_up(records)
 
     async def device_usage(self, max_age: float = 2.0) -> dict[int, dict | Exception]:
         """Usage of every device ({total, free} or the error), cached for ``max_age`` s."""
@@ -220,7 +263,8 @@ class Volume:
                 out[dev] = e
         async with trio.open_nursery() as nursery:
             for dev in self.device_paths:
-                nursery.start_soon(one, dev)
+                if dev not in self.removed:  # forgotten: its node may be long gone
+                    nursery.start_soon(one, dev)
         self._usage = (now, out)
         return out
 

@@ -144,7 +144,7 @@ def test_add_drain_undrain_remove_a_device(tmp_path):
             assert not (tmp_path / "x").exists() and len(v.data.devices) == 6
             r = await repair.add_device(v, str(tmp_path / "d6"))
             assert r["device"] == 6 and v.data.devices == [0, 1, 2, 3, 4, 5, 6]
-            inos[b"b"] = await put(b"b", 16 << 20)
+            inos[b"b"] = await put(b"b", 32 << 20)
             assert count(6) > 0  # new stripes are spread over the seven
             r = await repair.drain(v, 0)
             assert r["fragments_left_on_device"] == 0 and count(0) == 0
@@ -152,7 +152,7 @@ def test_add_drain_undrain_remove_a_device(tmp_path):
             assert count(0) == 0  # kept off the drained device
             r = await repair.undrain(v, 0)
             assert r["was_draining"] and 0 in v.data.devices
-            inos[b"d"] = await put(b"d", 16 << 20)
+            inos[b"d"] = await put(b"d", 32 << 20)
             assert count(0) > 0
             r = await repair.drain(v, 2, remove=True)
             assert r["removed"] and v.removed == {2} and 2 not in v.data.devices
@@ -169,4 +169,36 @@ def test_add_drain_undrain_remove_a_device(tmp_path):
             assert v.data.devices == [0, 1, 3, 4, 5, 6] and v.removed == {2}
             for name, ino in inos.items():
                 assert await read_file(fs, ino) == files[name]
+    trio.run(main)
+
+
+def test_rebalance_moves_fragments_onto_an_added_device(tmp_path):
+    """After a seventh device is added, `rebalance` moves fragments of the stripes
+    written before onto it (where placement puts them over seven devices, about 1/7
+    of all), copying them as they are: every stripe still has six distinct devices,
+    the files read back exact, and a second run has nothing to move."""
+    vol = tmp_path / "vol"
+    files = {b"f%d" % i: os.urandom((6 << 20) + i) for i in range(8)}
+
+    async def main():
+        async with open_fs(vol) as fs:
+            v = fs.volume
+            inos = {name: await write_file(fs, ROOT, name, data) for name, data in files.items()}
+            await repair.add_device(v, str(tmp_path / "d6"))
+            assert on_device(str(tmp_path / "d6")) == []
+            r = await repair.rebalance(v)
+            total = sum(len(on_device(v.device_paths[d])) for d in range(7))
+            placed = len(on_device(str(tmp_path / "d6")))
+            assert r["fragments_moved"] == placed and r["fragments_failed"] == 0
+            assert total / 7 * 0.5 < placed < total / 7 * 1.5, (placed, total)
+            async for sid, st in repair._stripes(v):
+                assert len(set(st.devices)) == 6, (sid, st.devices)
+            v.data._decoded.clear()
+            v.data._tables.clear()
+            for name, ino in inos.items():
+                assert await read_file(fs, ino) == files[name]
+            assert v.data.stats["degraded_reads"] == 0
+            assert (await repair.rebalance(v))["fragments_moved"] == 0
+            problems, _ = await fsck(v, full=True)
+            assert problems == []
     trio.run(main)

@@ -2,6 +2,7 @@
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -372,3 +373,41 @@ def test_branch_commands_find_the_mount(mnt, tmp_path):
     assert sorted(os.listdir(f"{mnt.mp}/.bm/branches")) == ["a", "b", "c", "main"]
     r = bmfs("branch", "create", "bad name", "-m", mnt.mp, check=False)
     assert r.returncode == 2 and "invalid branch name" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_node_add_remove_and_add_again_through_the_cli(mnt, tmp_path):
+    """`bmfs node add` of a relative path (resolved where the command runs, not in the
+    mount's working directory), a directory with other files refused in one line, and
+    a removed device's directory added again as a new device: the files stay exact,
+    and the volume mounts again with its new device list."""
+    mp = mnt.mp
+    files = {"a": os.urandom(9 << 20)}
+    with open(f"{mp}/a", "wb") as f:
+        f.write(files["a"])
+    r = bmfs("node", "add", "d6", "-m", mp, cwd=tmp_path)
+    assert "device: 6" in r.stdout, r.stdout
+    st = json.loads(bmfs("status", mp, "--json").stdout)
+    assert {d["id"]: d["path"] for d in st["devices"]}[6] == str(tmp_path / "d6")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("mine")
+    r = bmfs("node", "add", tmp_path / "busy", "-m", mp, check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not empty" in r.stderr, r.stderr
+    assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
+    r = bmfs("node", "remove", 0, "-m", mp)
+    assert "removed: True" in r.stdout, r.stdout
+    dev0 = f"{mnt.volume}/dev0"
+    r = bmfs("node", "add", dev0, "-m", mp)  # emptied and formatted as device 7
+    assert "device: 7" in r.stdout, r.stdout
+    files["b"] = os.urandom(24 << 20)
+    with open(f"{mp}/b", "wb") as f:
+        f.write(files["b"])
+    st = json.loads(bmfs("status", mp, "--json").stdout)
+    devs = {d["id"]: d for d in st["devices"]}
+    assert sorted(devs) == [1, 2, 3, 4, 5, 6, 7] and st["removed_devices"] == [0]
+    assert devs[7]["path"] == dev0 and devs[7]["fragments"] > 0
+    mnt.umount()
+    assert_fsck_clean(mnt.volume)
+    with Mounted(mnt.volume, tmp_path / "again") as m2:
+        for name, data in files.items():
+            with open(f"{m2.mp}/{name}", "rb") as f:
+                assert f.read() == data

@@ -225,7 +225,8 @@ def _devices(mp):
 
 def test_cluster_add_makes_room_to_drain_and_undrain(cluster, tmp_path):
     """On a mounted 6-node 4+2 cluster, `bmfs cluster add` starts a seventh node and
-    adds its device: new stripes use it, and device 3, which could not be drained
+    adds its device: `bmfs rebalance` moves older fragments onto it, new stripes use
+    it, and device 3, which could not be drained
     before, now can: with its node killed the files are exact and no read decodes.
     Restarted and undrained, it takes new stripes again."""
     mp = tmp_path / "mnt"
@@ -239,13 +240,16 @@ def test_cluster_add_makes_room_to_drain_and_undrain(cluster, tmp_path):
         devs = _devices(mp)
         assert sorted(devs) == list(range(7)) and devs[6]["fragments"] == 0
         assert devs[6]["health"] == "ok" and devs[6]["state"] == "in"
+        r = json.loads(bmfs("rebalance", mp, "--json").stdout)
+        moved = _devices(mp)[6]["fragments"]  # ~1/7 of the fragments written before
+        assert moved == r["fragments_moved"] > 0 and r["fragments_failed"] == 0, r
         digests.update({f"b/{k}": v for k, v in
-                        _write_varied(mp / "b", 16 << 20, seed=2).items()})
-        assert _devices(mp)[6]["fragments"] > 0  # new stripes use it
+                        _write_varied(mp / "b", 24 << 20, seed=2).items()})
+        assert _devices(mp)[6]["fragments"] > moved  # new stripes use it
         r = bmfs("node", "drain", 3, "-m", mp)
         assert "fragments left on device: 0" in r.stdout, r.stdout
         devs = _devices(mp)
-        assert devs[3]["fragments"] == 0 and devs[3]["state"] == "draining"
+        assert devs[3]["fragments"] == 0 and devs[3]["state"] == "drained"
         cluster.kill(3)
         _drop_caches()
         _check(mp, digests)
@@ -255,7 +259,7 @@ def test_cluster_add_makes_room_to_drain_and_undrain(cluster, tmp_path):
         r = bmfs("node", "undrain", 3, "-m", mp)
         assert "was draining: True" in r.stdout, r.stdout
         digests.update({f"c/{k}": v for k, v in
-                        _write_varied(mp / "c", 16 << 20, seed=3).items()})
+                        _write_varied(mp / "c", 24 << 20, seed=3).items()})
         devs = _devices(mp)
         assert devs[3]["fragments"] > 0 and devs[3]["state"] == "in"
         _drop_caches()
@@ -285,7 +289,7 @@ def test_a_device_added_through_one_mount_is_used_by_another(tmp_path):
             frags = lambda: _devices(a)[6]["fragments"]  # noqa: E731
             before = frags()
             assert before > 0
-            (b / "more").write_bytes(os.urandom(12 << 20))
+            (b / "more").write_bytes(os.urandom(24 << 20))  # 6 stripes
             subprocess.run(["sync"])
             assert frags() > before  # the second mount places stripes on it
             _drop_caches()
@@ -470,3 +474,50 @@ def test_start_without_a_cluster_is_one_line(tmp_path):
     res = bmfs("cluster", "start", tmp_path / "none", check=False)
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "no cluster.json" in res.stderr
+
+
+def test_node_serve_format_then_node_add_by_address(cluster, tmp_path):
+    """Adding a storage node's device by hand: `bmfs node serve --format --device
+    6=PATH` formats the new directory for the volume and serves it; `bmfs node add
+    PATH --address HOST:PORT --id 6` adds it once the node answers for that id (a
+    wrong id is refused in one line). With two of the first nodes killed, what was
+    written since reads back exact, decoded with the new device's fragments."""
+    from bmfs.cluster.local import free_ports
+    port = free_ports(1)[0]
+    path = tmp_path / "n6"
+    log = open(tmp_path / "n6.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bmfs.cli.main", "node", "serve", "--format",
+         "--listen", f"127.0.0.1:{port}", "--device", f"6={path}",
+         "--secret-file", f"{cluster.dir}/secret", "--volume-uuid", cluster.info["uuid"]],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "node did not start"
+                time.sleep(0.05)
+        assert os.path.exists(path / "DEVICE")
+        mp = tmp_path / "mnt"
+        with Mounted(cluster.dir, mp):
+            add = ("node", "add", path, "--address", f"127.0.0.1:{port}", "-m", mp)
+            r = bmfs(*add, "--id", 7, check=False)
+            assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+            assert "does not serve device 7" in r.stderr
+            assert 7 not in _devices(mp)
+            bmfs(*add, "--id", 6)
+            data = os.urandom(24 << 20)  # 6 stripes: some on device 6
+            (mp / "f").write_bytes(data)
+            devs = _devices(mp)
+            assert devs[6]["fragments"] > 0 and devs[6]["node"] == f"127.0.0.1:{port}"
+            cluster.kill(0, 1)
+            _drop_caches()
+            assert (mp / "f").read_bytes() == data
+            cluster.start()
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()

@@ -1,5 +1,7 @@
 """bmfs cluster up DIR --nodes N [--ec K+M] | bmfs cluster start DIR [--node I] |
 bmfs cluster add DIR | bmfs cluster down DIR"""
+import trio
+
 from ..config import parse_ec
 from ..store.pmem import LAYOUTS
 
@@ -69,13 +71,38 @@ def run_start(args) -> int:
 def run_add(args) -> int:
     from ..cluster import local
     from .repair import run_op
-    node = local.add_node(args.dir, args.domain)
     args.volume = args.dir
+    known = _device_ids(args.dir) | {n["device"] for n in local.read_info(args.dir)["nodes"]}
+    node = local.add_node(args.dir, max(known) + 1, args.domain)
     try:
         rc = run_op(args, "add_device", path=node["path"], address=node["address"],
                     device=node["device"], domain=args.domain)
     except BaseException:
-        local.drop_node(args.dir, node)
+        try:
+            recorded = node["device"] in _device_ids(args.dir)
+        except Exception:  # noqa: BLE001 (cannot tell: keep the node, say so below)
+            recorded = True
+        if not recorded:
+            local.drop_node(args.dir, node)
         raise
     print(f"node{node['index']}  pid {node['pid']}  {node['address']}  device {node['device']}")
     return rc
+
+
+def _device_ids(directory: str) -> set[int]:
+    """Every device id the volume has used (removed ones too), through its mount if
+    it is mounted (that mount owns an SQLite volume's metadata)."""
+    from .common import control
+    from .repair import _mount_of
+    mp = _mount_of(directory)
+    records = control(mp, "devices") if mp else trio.run(_offline_devices, directory)
+    return {int(dev) for dev in records}
+
+
+async def _offline_devices(directory):
+    from ..vfs.volume import Volume, device_records
+    vol = await Volume.open(directory, upgrade=False)
+    try:
+        return await device_records(vol.kv)
+    finally:
+        await vol.aclose()

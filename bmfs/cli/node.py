@@ -22,6 +22,11 @@ def add_parser(sub):
     s.add_argument("--volume-uuid", required=True)
     s.add_argument("--name", default=None)
     s.add_argument("--meta", help="etcd://... : keep a leased membership record there")
+    s.add_argument("--format", action="store_true",
+                   help="format each device directory that is new or empty for the volume "
+                        "first (a device to add with bmfs node add --address)")
+    s.add_argument("--layout", choices=LAYOUTS, default="files",
+                   help="the layout --format gives a directory (as bmfs mkfs --layout)")
     s.add_argument("--fault", default=os.environ.get("BMFS_NODE_FAULT"),
                    help="test fault control: delay=SECONDS slows every read reply")
     s.set_defaults(func=run_serve)
@@ -56,8 +61,13 @@ def _target_options(p) -> None:
 
 
 def run_add(args) -> int:
-    path = args.path if args.path.startswith("pmem:") or args.address else \
-        os.path.abspath(args.path)  # the mount's working directory is not ours
+    path = args.path  # made absolute here: the mount's working directory is not ours
+    if args.address is None:
+        if path.startswith("pmem:"):
+            file, sep, size = path[5:].partition(":")
+            path = "pmem:" + os.path.abspath(file) + sep + size
+        else:
+            path = os.path.abspath(path)
     return run_op(args, "add_device", path=path, address=args.address, device=args.id,
                   domain=args.domain, layout=args.layout)
 
@@ -78,6 +88,8 @@ def run_serve(args) -> int:
         if not ident.isdigit() or not path:
             raise UserError(f"--device wants ID=PATH, not {d!r}")
         devices[int(ident)] = path
+    if args.format:
+        _format_new(devices, args.volume_uuid, args.layout)
     delay = 0.0
     if args.fault:
         key, _, val = args.fault.partition("=")
@@ -91,6 +103,25 @@ def run_serve(args) -> int:
     trio.run(run_node, args.name or args.listen, host, int(port), secret, devices,
              args.volume_uuid, None, delay, args.meta)
     return 0
+
+
+def _format_new(devices: dict[int, str], uuid: str, layout: str) -> None:
+    """Format the devices that are new or empty directories (or pmem pools not made
+    yet); formatted ones are left as they are (serving checks they are this volume's)."""
+    from ..errors import VolumeError
+    from ..store.pmem import format_store
+    for dev, path in devices.items():
+        if path.startswith("pmem:"):
+            if os.path.exists(path[5:].partition(":")[0]):
+                continue
+        elif os.path.exists(os.path.join(path, "DEVICE")):
+            continue
+        elif os.path.isdir(path) and os.listdir(path):
+            raise UserError(f"{path} is not empty and not a bmfs device: --format refuses it")
+        try:
+            format_store(path, uuid, dev, layout)
+        except (VolumeError, OSError) as e:
+            raise UserError(f"cannot format {path}: {e}")
 
 
 def run_drain(args) -> int:

@@ -1,4 +1,5 @@
-"""bmfs repair|scrub VOLUME|MOUNTPOINT: rebuild lost fragments; verify every fragment."""
+"""bmfs repair|scrub|rebalance VOLUME|MOUNTPOINT: rebuild lost fragments; verify every
+fragment; move fragments to where placement puts them now."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,9 @@ from .main import UserError
 
 def add_parser(sub):
     for name, helptext in (("repair", "rebuild missing, corrupt or doubled-up fragments"),
-                           ("scrub", "verify every fragment's checksums, then repair")):
+                           ("scrub", "verify every fragment's checksums, then repair"),
+                           ("rebalance", "move fragments to the devices placement puts "
+                                         "them on now (after bmfs node add)")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("target", help="a volume directory or a mount point")
         p.add_argument("--json", action="store_true")

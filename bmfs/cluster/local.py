@@ -107,25 +107,31 @@ def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None,
     return info
 
 
-def add_node(directory: str, domain: str | None = None) -> dict:
-    """Start one more node, with a new device directory DIR/nodeN/dev formatted for the
-    volume (the layout of node 0's), and list it in cluster.json; the caller adds the
-    device to the volume (repair.add_device), or undoes this with drop_node if that
-    fails. The node's record."""
+def add_node(directory: str, dev: int, domain: str | None = None) -> dict:
+    """Start one more node serving device ``dev`` (an id the volume has not used), in
+    a new device directory DIR/nodeN/dev formatted for the volume (the layout of node
+    0's), and list it in cluster.json; the caller adds the device to the volume
+    (repair.add_device), or undoes this with drop_node if that fails. If the node does
+    not start, nothing is left behind. The node's record."""
+    import shutil
     from ..store.pmem import format_store
     from ..store.pool import is_pool
     info = read_info(directory)
     index = max(n["index"] for n in info["nodes"]) + 1
-    dev = max(n["device"] for n in info["nodes"]) + 1
     path = os.path.join(os.path.abspath(directory), f"node{index}", "dev")
     layout = "pool" if is_pool(info["nodes"][0]["path"]) else "files"
-    format_store(path, info["uuid"], dev, layout)
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # a failed add's leftovers
     port = free_ports(1)[0]
     node = {"index": index, "device": dev, "path": path, "port": port,
             "address": f"127.0.0.1:{port}", "uuid": info["uuid"], "meta": info.get("meta")}
     if domain:
         node["domain"] = domain
-    node["pid"] = start_node(directory, node)
+    try:
+        format_store(path, info["uuid"], dev, layout)
+        node["pid"] = start_node(directory, node)
+    except BaseException:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        raise
     info["nodes"].append(node)
     write_info(directory, info)
     return node

@@ -41,7 +41,8 @@ class DataClient:
     def __init__(self, transport, devices: list[int], k: int, m: int, inline_max: int,
                  on_damage=None, domains: dict[int, str] | None = None):
         self.transport = transport
-        self.devices = devices
+        self.devices = devices  # where new stripes may go (in service)
+        self.sync_devices: list[int] | None = None  # what sync covers (None: devices)
         self.domains = domains or {}
         self.k, self.m = k, m
         self.inline_max = inline_max
@@ -126,14 +127,15 @@ class DataClient:
 
     async def sync(self) -> None:
         """Make every fragment written so far durable on its device."""
+        devices = list(self.sync_devices or self.devices)  # (changed while this waits)
         if hasattr(self.transport, "sync_many"):
             try:
-                await self.transport.sync_many(self.devices)
+                await self.transport.sync_many(devices)
             except DeviceError as e:
                 log.warning("sync: %s", e)
             return
         async with trio.open_nursery() as nursery:
-            for dev in self.devices:
+            for dev in devices:
                 nursery.start_soon(self._sync_one, dev)
 
     async def _sync_one(self, dev):

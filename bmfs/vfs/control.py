@@ -111,7 +111,10 @@ class Control:
         if op == "status":
             from .status import volume_status
             return await volume_status(self.fs.volume)
-        if op in ("repair", "scrub", "drain", "undrain", "add_device"):
+        if op == "devices":  # every device record, removed ones too
+            from .volume import device_records
+            return {str(dev): rec for dev, rec in (await device_records(self.kv)).items()}
+        if op in ("repair", "scrub", "rebalance", "drain", "undrain", "add_device"):
             from . import repair
             args = {k: v for k, v in req.items() if k != "op"}
             return await getattr(repair, op)(self.fs.volume, **args)

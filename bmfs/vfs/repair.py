@@ -16,13 +16,15 @@
   ones and repairs them.
 - ``drain`` marks a device as draining (no new fragments), repairs everything off it,
   and with ``remove`` forgets it; ``undrain`` puts a drained device back in service;
-  ``add_device`` adds a device to the volume (new stripes use it from then on).
+  ``add_device`` adds a device to the volume (new stripes use it from then on);
+  ``rebalance`` moves fragments of older stripes to where placement puts them now.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shutil
 import weakref
 
 import trio
@@ -32,9 +34,15 @@ from ..data.codec import codec
 from ..errors import Invalid, IOFailure, NoSpace, NotFound, VolumeError
 from ..meta import keys
 from ..meta.records import EC, NO_DEVICE, Stripe
+from ..store.pmem import format_store
 from ..transport import DeviceError
+from .volume import device_records, in_service
 
 log = logging.getLogger(__name__)
+# seconds after a device is marked draining before drain moves its fragments, on a
+# volume other mounts share: more than their upkeep loop's round (GC_INTERVAL in
+# fuse/mount.py), in which each takes the mark up and stops placing stripes there
+OTHER_MOUNTS_SETTLE = 7.0
 _locks: "weakref.WeakKeyDictionary[object, trio.Lock]" = weakref.WeakKeyDictionary()
 
 
@@ -113,7 +121,14 @@ async def _repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: se
             log.warning("stripe %d fragment %d: %s", sid, i, e)
             continue
         moved[i], devices[i] = devices[i], target
+    return await _commit_moves(volume, sid, moved, devices)
 
+
+async def _commit_moves(volume, sid: int, moved: dict[int, int], devices: list[int]) -> int:
+    """Point the stripe's record at the fragments written anew (``moved``: index -> the
+    device it was on; ``devices``: where each is now), in a transaction that re-reads
+    the record (only a fragment nobody moved meanwhile is moved), then delete the
+    copies replaced (or ours, where another run won). How many were moved."""
     applied: list[int] = []
     final: list[int] = []  # the device list as committed
 
@@ -185,6 +200,59 @@ async def _repair(volume, avoid: set[int], progress) -> dict:
             "stale_fragments_deleted": swept}
 
 
+async def rebalance(volume, progress=None) -> dict:
+    """Move fragments to where placement would put their stripes now: after a device
+    was added (or undrained), stripes written before keep their fragments on the old
+    devices; this moves each fragment that rendezvous hashing over the devices in
+    service (placement.place_available) no longer puts on its device, to one it does
+    (~1/n of all fragments when a device is added to n). A fragment is copied as it is
+    (read whole and verified, not decoded; a fresh block table), then the record is
+    switched and the old copy deleted, as repair does. Stripes with a fragment
+    missing, corrupt or on a device that is down are left to repair."""
+    from ..data.placement import place_available
+    async with _lock(volume):
+        data = volume.data
+        stripes = [x async for x in _stripes(volume)]
+        moved = failed = examined = 0
+        for n, (sid, st) in enumerate(stripes, 1):
+            if progress:
+                progress(n, len(stripes))
+            raw = await volume.kv.get(keys.stripe(sid))
+            if raw is None:
+                continue  # freed meanwhile
+            st = Stripe.unpack(raw)
+            want = place_available(sid, data.devices, st.k + st.m, data.domains)
+            if len(set(want)) < len(want):
+                continue  # fewer devices in service than fragments: nothing better
+            spare = [d for d in want if d not in st.devices and volume.transport.is_up(d)]
+            off = [i for i, d in enumerate(st.devices) if d not in want]
+            if not spare or not off or data.needs_repair(st) or \
+                    not all(volume.transport.is_up(d) for d in st.devices):
+                continue
+            examined += 1
+            devices, fresh = list(st.devices), {}
+            for i, target in zip(off, spare):
+                try:
+                    frag = await data._read_fragment(sid, st, i)  # verified
+                    head = fr.build_header(sid, i, st.k, st.m, frag, st.frag_version)
+                    await volume.transport.put(target, fr.fragment_name(sid, i),
+                                               [head, frag])
+                except (DeviceError, fr.CorruptFragment) as e:
+                    log.warning("rebalance: stripe %d fragment %d: %s", sid, i, e)
+                    failed += 1
+                    continue
+                fresh[i], devices[i] = devices[i], target
+            if fresh:
+                volume.data.uncommitted.add(sid)
+                try:
+                    moved += await _commit_moves(volume, sid, fresh, devices)
+                finally:
+                    volume.data.uncommitted.discard(sid)
+        await volume.record_damage()
+    return {"stripes": len(stripes), "stripes_rebalanced": examined,
+            "fragments_moved": moved, "fragments_failed": failed}
+
+
 async def scrub(volume, progress=None) -> dict:
     bad = 0
     stripes = [x async for x in _stripes(volume)]
@@ -205,18 +273,19 @@ async def scrub(volume, progress=None) -> dict:
 
 
 async def drain(volume, device: int, remove: bool = False, progress=None) -> dict:
-    raw = await volume.kv.get(keys.device(device))
-    if raw is None:
-        raise NotFound(f"no device {device}")
-    rec = json.loads(raw)
     k, m = volume.data.k, volume.data.m
-    others = [d for d in volume.data.devices if d != device]
-    if len(others) < k + m:
-        # its fragments could go nowhere, and new stripes would be written a fragment
-        # short for as long as it stays drained: refused, nothing changed
-        raise NoSpace(f"cannot drain device {device}: {k}+{m} stripes need {k + m} "
-                      f"devices, and {len(others)} would be left; add a device first")
-    await set_device(volume, device, draining=True)
+
+    def room(records):
+        left = len(in_service(records))
+        if left < k + m:
+            # its fragments could go nowhere, and new stripes would be written a
+            # fragment short for as long as it stays drained: refused, nothing changed
+            raise NoSpace(f"cannot drain device {device}: {k}+{m} stripes need {k + m} "
+                          f"devices, and {left} would be left; add a device first")
+    await set_device(volume, device, check=room, draining=True)
+    if not volume.kv.single_writer:
+        # other mounts place stripes on it until their upkeep loop reads the mark
+        await trio.sleep(OTHER_MOUNTS_SETTLE)
     result = await repair(volume, avoid={device}, progress=progress)
     left = sum(st.devices.count(device) for _, st in [x async for x in _stripes(volume)])
     if remove and left == 0:
@@ -224,26 +293,29 @@ async def drain(volume, device: int, remove: bool = False, progress=None) -> dic
     return {**result, "fragments_left_on_device": left, "removed": bool(remove and left == 0)}
 
 
-async def set_device(volume, device: int, **changes) -> dict:
+async def set_device(volume, device: int, check=None, **changes) -> dict:
     """Change device ``device``'s record (``draining``/``removed``: True sets, False
-    clears) in a transaction, and take the records up (Volume._take_up): new stripes
-    go to the devices in service from the next write on. The record, changed."""
-    from .volume import device_records
-
+    clears) in a transaction, which first calls ``check(records)`` with every device
+    record as it would be (it raises to refuse: two drains at once cannot both pass
+    it, as each reads the other's record), then take the records up
+    (Volume.refresh_devices): new stripes go to the devices in service from the next
+    write on. The record, changed."""
     async def fn(txn):
-        raw = await txn.get(keys.device(device))
-        if raw is None:
+        records = await device_records(txn)
+        rec = records.get(device)
+        if rec is None:
             raise NotFound(f"no device {device}")
-        rec = json.loads(raw)
         for key, on in changes.items():
             if on:
                 rec[key] = True
             else:
                 rec.pop(key, None)
+        if check is not None:
+            check(records)
         txn.put(keys.device(device), json.dumps(rec).encode())
         return rec
     rec = await volume.kv.transact(fn)
-    volume._take_up(await device_records(volume.kv))
+    await volume.refresh_devices()
     return rec
 
 
@@ -251,13 +323,12 @@ async def undrain(volume, device: int, progress=None) -> dict:
     """Put a drained (or draining) device back in service: new stripes may go to it
     again. Its fragments stay where the drain moved them (as with Ceph's ``osd in``,
     nothing moves back by itself). A removed device was forgotten: add it again."""
-    from .volume import device_records
     rec = (await device_records(volume.kv)).get(device)
     if rec is None:
         raise NotFound(f"no device {device}")
     if rec.get("removed"):
         raise Invalid(f"device {device} was removed; add its directory again as a new "
-                      f"device (bmfs node add)")
+                      f"device (bmfs node add PATH: it is emptied and formatted anew)")
     was = bool(rec.get("draining"))
     await set_device(volume, device, draining=False)
     return {"device": device, "was_draining": was, "in_service": True}
@@ -273,8 +344,8 @@ async def add_device(volume, path: str, address: str | None = None, device: int 
     one unless ``device`` is given; ids of removed devices are not reused. New
     stripes are placed over it with the others from then on; what is stored stays
     where it is."""
-    from ..store.pmem import format_store, open_store
-    from .volume import DEFAULT_LAYOUT, device_records
+    from ..store.pmem import open_store
+    from .volume import DEFAULT_LAYOUT
     records = await device_records(volume.kv)
     if device is None:
         device = max(records, default=-1) + 1
@@ -298,36 +369,67 @@ async def add_device(volume, path: str, address: str | None = None, device: int 
                 (rec["node"], path):
             raise Invalid(f"{path} is device {dev} already")
     if address is None:
+        layout = layout or _layout_of(volume, records) or DEFAULT_LAYOUT
         try:
-            if not path.startswith("pmem:") and \
-                    not os.path.exists(os.path.join(path, "DEVICE")):
-                layout = layout or _layout_of(volume, records) or DEFAULT_LAYOUT
-                await trio.to_thread.run_sync(format_store, path, volume.settings.uuid,
-                                              device, layout)
+            await trio.to_thread.run_sync(_prepare_local, volume.settings.uuid, records,
+                                          path, device, layout)
             # a directory of another volume or device is refused here
             open_store(path, volume.settings.uuid, device)
         except (VolumeError, OSError) as e:
             raise Invalid(f"cannot use {path} as device {device}: {e}") from e
     else:
-        if ":" not in address or not address.rpartition(":")[2].isdigit():
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise Invalid(f"a node address is HOST:PORT, not {address!r}")
         volume.transport.add_device(device, address)
         try:
             with trio.fail_after(5):
                 await volume.transport.stat(device)
-        except (DeviceError, OSError, trio.TooSlowError) as e:
+        except BaseException as e:
             volume.transport.device_node.pop(device, None)
-            raise Invalid(f"the node at {address} does not serve device {device} ({e}); "
-                          f"start it with: bmfs node serve --device {device}=PATH ...")
+            volume.transport.stores.pop(device, None)
+            if isinstance(e, (DeviceError, OSError, trio.TooSlowError)):
+                raise Invalid(f"the node at {address} does not serve device {device} ({e}); "
+                              f"start it with: bmfs node serve --format --device "
+                              f"{device}=PATH ...") from e
+            raise
 
     async def fn(txn):
         if await txn.get(keys.device(device)) is not None:
             raise Invalid(f"device {device} exists already")
         txn.put(keys.device(device), json.dumps(rec).encode())
     await volume.kv.transact(fn)
-    volume._take_up(await device_records(volume.kv))
+    await volume.refresh_devices()
     return {"device": device, "path": path, "node": rec["node"],
             "devices_in_service": len(volume.data.devices)}
+
+
+def _prepare_local(uuid: str, records: dict, path: str, device: int, layout: str) -> None:
+    """Format ``path`` for the volume as device ``device`` unless it is formatted: a new
+    or empty directory, a pmem pool file not made yet, or the directory of a device
+    this volume removed (drained before it was: what is left in it is emptied first).
+    A directory holding other files is refused; one of another volume or device is
+    left for open_store to refuse."""
+    if path.startswith("pmem:"):
+        if not os.path.exists(path[5:].partition(":")[0]):
+            format_store(path, uuid, device)
+        return
+    marker = os.path.join(path, "DEVICE")
+    if os.path.exists(marker):
+        try:
+            with open(marker) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            return  # open_store says what is wrong with it
+        old = records.get(info.get("device")) if info.get("volume") == uuid else None
+        if not (old and old.get("removed")):
+            return
+        for name in os.listdir(path):
+            p = os.path.join(path, name)
+            shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+    elif os.path.isdir(path) and os.listdir(path):
+        raise VolumeError(f"{path} is not empty (a new device is an empty or new directory)")
+    format_store(path, uuid, device, layout)
 
 
 def _layout_of(volume, records) -> str | None:

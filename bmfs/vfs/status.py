@@ -26,7 +26,8 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
         nodes = getattr(volume.transport, "device_node", None)
         rec = {"id": dev, "path": path, "fragments": counts.get(dev, 0),
                "node": nodes[dev].address if nodes else "local",
-               "state": "in" if dev in volume.data.devices else "draining"}
+               "state": "in" if dev in volume.data.devices else
+                        "drained" if not counts.get(dev) else "draining"}
         if isinstance(u, Exception) or u is None:
             rec.update(health="missing", error=str(u))
         else:

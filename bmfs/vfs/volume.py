@@ -101,7 +101,8 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
 
 
 async def device_records(kv) -> dict[int, dict]:
-    """Every device record (removed ones too): device id -> its record."""
+    """Every device record (removed ones too): device id -> its record. ``kv`` is the
+    engine, or a transaction (whose commit then compares them)."""
     return {int(k[len(keys.DEVICE_PREFIX):], 16): json.loads(v)
             for k, v in await kv.range(keys.DEVICE_PREFIX, keys.DEVICE_PREFIX + b"\xff")}
 
@@ -115,6 +116,8 @@ def in_service(records: dict[int, dict]) -> list[int]:
 def _local_transport(settings, records) -> LocalTransport:
     stores = {}
     for dev, rec in records.items():
+        if rec.get("removed"):  # forgotten: its directory may be gone or reused
+            continue
         try:
             stores[dev] = open_store(rec["path"], settings.uuid, dev)
         except VolumeError as e:
@@ -136,7 +139,8 @@ def _tcp_transport(path, info, records):
         secret = read_secret(secret_file)
     except OSError as e:
         raise VolumeError(f"{path}: cannot read the cluster secret {secret_file}: {e.strerror}")
-    return TcpTransport({dev: rec["node"] for dev, rec in records.items()}, secret)
+    return TcpTransport({dev: rec["node"] for dev, rec in records.items()
+                         if not rec.get("removed")}, secret)
 
 
 async def _upgrade(kv, path: str) -> dict:
@@ -165,7 +169,7 @@ class Volume:
         self.data = data
         self.device_paths = device_paths
         self.removed: set[int] = set()  # devices `bmfs node remove` forgot
-        self.devices_changed = 0  # times _take_up changed the device lists
+        self._devices_lock = None  # a trio.Lock, made on first use (refresh_devices)
         self.damage: list[tuple[int, int, str]] = []
         self._usage = None
 
@@ -225,25 +229,27 @@ class Volume:
             elif dev not in self.transport.stores:
                 try:
                     store = open_store(rec["path"], self.settings.uuid, dev)
-                except VolumeError as e:
-                    store = e
+                except (VolumeError, OSError) as e:  # absent for now: reads decode
+                    store = VolumeError(f"device {dev}: {e}")
                 self.transport.add_device(dev, store)
         self.device_paths = {dev: rec.get("path", "") for dev, rec in records.items()}
         self.removed = {dev for dev, rec in records.items() if rec.get("removed")}
         self.data.devices[:] = in_service(records)
+        # a device just drained may hold fragments written before: fsync covers it
+        self.data.sync_devices = sorted(d for d, r in records.items() if not r.get("removed"))
         self.data.domains.update((dev, rec.get("domain") or rec.get("node", "local"))
                                  for dev, rec in records.items())
-        self.devices_changed += 1
 
     async def refresh_devices(self) -> None:
-        """Take up what other processes changed in the device records (a device added,
-        drained, undrained or removed by another mount or offline): the mount's
-        upkeep loop calls this every few seconds. Records read while this process
-        changed them itself are dropped (theirs are newer)."""
-        seen = self.devices_changed
-        records = await device_records(self.kv)
-        if seen == self.devices_changed:
-            self._take_up(records)
+        """Read the device records and take them up: after this process changed one
+        (drain, undrain, add), and every few seconds in the mount's upkeep loop for
+        what other mounts changed. One at a time, so records read earlier are never
+        applied after ones read later."""
+        import trio
+        if self._devices_lock is None:
+            self._devices_lock = trio.Lock()
+        async with self._devices_lock:
+            self._take_up(await device_records(self.kv))
 
     async def device_usage(self, max_age: float = 2.0) -> dict[int, dict | Exception]:
         """Usage of every device ({total, free} or the error), cached for ``max_age`` s."""

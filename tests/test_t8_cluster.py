@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from bmfs.cluster.etcd import ETCD
 from bmfs.proc import alive
-from fragments import flip, intact, on_device
+from fragments import flip, intact, intact_keys, lose, on_device
 from mountutil import Mounted, assert_fsck_clean, bmfs
 
 TOTAL = int(os.environ.get("BMFS_CLUSTER_TEST_BYTES", 1 << 30))
@@ -521,3 +521,59 @@ def test_node_serve_format_then_node_add_by_address(cluster, tmp_path):
         proc.kill()
         proc.wait()
         log.close()
+
+
+def test_background_repair_of_a_shared_volume_by_one_mount(tmp_path, monkeypatch):
+    """Two mounts of an etcd cluster volume: fragments lost on a live node are rebuilt
+    in the background, without `bmfs repair`, by one mount only (the oldest: its pid
+    is on every background repair line of the log), though the other found the
+    damage; with that mount killed -9, the other takes over once its lease is gone."""
+    if not os.access(ETCD, os.X_OK):
+        pytest.skip(f"etcd not installed ({ETCD})")
+    monkeypatch.setenv("BMFS_REPAIR_ROUNDS", "1")  # repair every upkeep round (5 s)
+    with Cluster(tmp_path / "cluster", "--meta", "etcd") as c:
+        a, b = tmp_path / "a", tmp_path / "b"
+        log = f"{c.dir}/mount.log"
+
+        def repairers(since):
+            with open(log, errors="replace") as f:
+                lines = f.read()[since:].splitlines()
+            return {int(line.split("[")[1].split("]")[0]) for line in lines
+                    if "background repair:" in line}
+
+        def sids():
+            return {f.sid for i in range(6) for f in on_device(f"{c.dir}/node{i}/dev")}
+
+        def lose_read_and_wait(node, files, old=()):
+            # data fragments of the stripes written since ``old`` (a fragment of an
+            # older stripe may be cached decoded by b, so its loss would go unseen)
+            lost = [f for f in on_device(f"{c.dir}/node{node}/dev")
+                    if f.idx < 4 and f.sid not in old]
+            assert lost
+            for f in lost:
+                lose(f)
+            _drop_caches()
+            for name, want in files.items():  # b decodes, and queues the damage
+                assert (b / name).read_bytes() == want
+            want = {(f.sid, f.idx) for f in lost}
+            deadline = time.monotonic() + 60
+            while not want <= set().union(*(intact_keys(f"{c.dir}/node{i}/dev")
+                                            for i in range(6))):
+                assert time.monotonic() < deadline, "lost fragments not rebuilt"
+                time.sleep(1)
+            assert _status(b)["fragments_awaiting_repair"] == 0
+        with Mounted(c.dir, a) as ma, Mounted(c.dir, b) as mb:
+            data = {n: os.urandom(16 << 20) for n in ("f", "g")}
+            (a / "f").write_bytes(data["f"])
+            subprocess.run(["sync"])
+            start = os.path.getsize(log)
+            lose_read_and_wait(2, {"f": data["f"]})
+            assert repairers(start) == {ma.pid}
+            ma.kill9()
+            old = sids()
+            (b / "g").write_bytes(data["g"])
+            subprocess.run(["sync"])
+            start = os.path.getsize(log)
+            lose_read_and_wait(4, data, old)
+            assert repairers(start) == {mb.pid}
+        assert_fsck_clean(c.dir)

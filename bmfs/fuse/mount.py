@@ -119,11 +119,10 @@ def _remove_pid(paths: list[str]) -> None:
 
 async def _gc_loop(fs):
     """Background upkeep: take up device changes made elsewhere (Volume.refresh_devices),
-    record damage seen by reads, delete garbage stripes, free
-    orphans of dead mounts (etcd), and every REPAIR_EVERY rounds repair the fragments
-    queued as missing or corrupt. Background repair runs on single-owner volumes only:
-    on a shared (etcd) volume two mounts could rebuild one fragment twice, so there
-    `bmfs repair` is run from one mount (docs/operations.md)."""
+    record damage seen by reads, delete garbage stripes, free orphans of dead mounts
+    (etcd), and every REPAIR_EVERY rounds repair the fragments queued as missing or
+    corrupt. On a shared (etcd) volume only one mount repairs in the background (the
+    oldest live one, session.leads_repair), so fragments are not rebuilt twice."""
     shared = hasattr(fs.kv, "grant_lease")  # other mounts may die holding orphans
     rounds = 0
     while True:
@@ -135,7 +134,8 @@ async def _gc_loop(fs):
             await fs.volume_gc()
             if shared:
                 await session.sweep_orphans(fs)
-            elif rounds % REPAIR_EVERY == 0 and await fs.kv.range(b"h/", b"h0", 1):
+            if rounds % REPAIR_EVERY == 0 and await fs.kv.range(b"h/", b"h0", 1) and \
+                    (not shared or await session.leads_repair(fs)):
                 from ..vfs.repair import repair
                 result = await repair(fs.volume)
                 if result["fragments_rebuilt"] or result["stripes_failed"]:

@@ -76,6 +76,26 @@ async def keep_alive(fs, mountpoint: str, task_status=trio.TASK_STATUS_IGNORED) 
                     pass  # it expires by itself
 
 
+async def leads_repair(fs) -> bool:
+    """Whether this mount is the one of a shared volume that repairs in the background:
+    the oldest live mount (by its record's start time, then its id). Only it repairs,
+    so fragments are not rebuilt twice by several mounts; when it dies, its record
+    goes with its lease (TTL s) and the next oldest takes over. Two mounts that
+    briefly both think they lead (clocks apart, a record not put yet) only duplicate
+    work: repair's commit moves a fragment only if its record still names the device
+    it replaced (vfs/repair.py)."""
+    mine = keys.mount(fs.mount_id)
+    oldest = None
+    for k, v in await fs.kv.range(b"m/", b"m0"):
+        try:
+            started = float(json.loads(v).get("started", 0))
+        except (ValueError, TypeError, AttributeError):
+            started = 0.0
+        if oldest is None or (started, k) < oldest:
+            oldest = (started, k)
+    return oldest is not None and oldest[1] == mine
+
+
 async def sweep_orphans(fs) -> int:
     """Free inodes that dead mounts held unlinked-but-open (a periodic task)."""
     return await fs.files.reap_orphans(fs.views.get(0))

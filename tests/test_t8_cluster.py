@@ -577,3 +577,32 @@ def test_background_repair_of_a_shared_volume_by_one_mount(tmp_path, monkeypatch
             lose_read_and_wait(4, data, old)
             assert repairers(start) == {mb.pid}
         assert_fsck_clean(c.dir)
+
+
+def test_repair_keeps_the_fragments_of_a_node_that_came_back(cluster, tmp_path, monkeypatch):
+    """Reads while node 2 was dead queue its fragments for repair (unreachable). Once
+    it is back with them intact, repair reads them, finds them intact and rebuilds
+    none: they stay on node 2 and the queue empties. It used to rebuild each of them
+    on another device."""
+    monkeypatch.setenv("BMFS_REPAIR_ROUNDS", "100000")  # no background repair here
+    mp = tmp_path / "mnt"
+    node2 = f"{cluster.dir}/node2/dev"
+    with Mounted(cluster.dir, mp):
+        data = os.urandom(24 << 20)
+        (mp / "f").write_bytes(data)
+        subprocess.run(["sync"])
+        held = intact_keys(node2)
+        assert held
+        cluster.kill(2)
+        _drop_caches()
+        assert (mp / "f").read_bytes() == data  # decodes; queues node 2's fragments
+        cluster.start("--node", 2)
+        time.sleep(2.5)  # the mount skips a node for 2 s after it failed
+        r = json.loads(bmfs("repair", mp, "--json").stdout)
+        assert r["fragments_intact_again"] > 0, r
+        assert r["fragments_rebuilt"] == 0 and r["stripes_failed"] == 0, r
+        assert _status(mp)["fragments_awaiting_repair"] == 0
+        assert intact_keys(node2) == held
+        _drop_caches()
+        assert (mp / "f").read_bytes() == data
+    assert_fsck_clean(cluster.dir)

@@ -179,12 +179,17 @@ async def _repair(volume, avoid: set[int], progress) -> dict:
             for i in idxs:
                 txn.delete(keys.damage(sid, i))
         await volume.kv.commit(txn)
-    moved = failed = 0
+    moved = failed = intact = 0
     for n, (sid, st, bad) in enumerate(todo, 1):
         try:
             raw = await volume.kv.get(keys.stripe(sid))
             if raw is not None:  # else freed meanwhile
-                moved += await repair_stripe(volume, sid, Stripe.unpack(raw), bad, avoid)
+                st = Stripe.unpack(raw)
+                fine = await _intact_again(volume, sid, st, bad, avoid)
+                intact += len(fine)
+                bad = [i for i in bad if i not in fine]
+                if bad:
+                    moved += await repair_stripe(volume, sid, st, bad, avoid)
         except (IOFailure, DeviceError) as e:
             failed += 1
             log.warning("repair of stripe %d failed: %s", sid, e)
@@ -197,7 +202,32 @@ async def _repair(volume, avoid: set[int], progress) -> dict:
         from .gc import sweep_leaked
         swept = await sweep_leaked(volume)
     return {"stripes": len(todo), "fragments_rebuilt": moved, "stripes_failed": failed,
-            "stale_fragments_deleted": swept}
+            "fragments_intact_again": intact, "stale_fragments_deleted": swept}
+
+
+async def _intact_again(volume, sid: int, st: Stripe, bad: list[int], avoid: set[int]) -> set[int]:
+    """Of the fragments queued as bad, those that read whole and verify now, on a
+    device that is up (a node that was down when a read wanted them is back): their
+    queue entries are dropped and they are not rebuilt. Reading one costs a fragment;
+    rebuilding it, k fragments read, an encode and a write, and it moved off a node
+    that was only restarted."""
+    doubled = set(volume.data.needs_repair(st))
+    fine = set()
+    for i in bad:
+        dev = st.devices[i]
+        if i in doubled or dev in avoid or not volume.transport.is_up(dev):
+            continue
+        try:
+            await volume.data._read_fragment(sid, st, i, copy=False)
+        except (DeviceError, fr.CorruptFragment):
+            continue  # bad indeed (queued again by the read): rebuilt below
+        fine.add(i)
+    if fine:
+        txn = volume.kv.begin()
+        for i in fine:
+            txn.delete(keys.damage(sid, i))
+        await volume.kv.commit(txn)
+    return fine
 
 
 async def rebalance(volume, progress=None) -> dict:

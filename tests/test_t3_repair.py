@@ -202,3 +202,32 @@ def test_rebalance_moves_fragments_onto_an_added_device(tmp_path):
             problems, _ = await fsck(v, full=True)
             assert problems == []
     trio.run(main)
+
+
+def test_two_drains_at_once_cannot_both_leave_too_few_devices(tmp_path):
+    """Seven devices, 4+2: two drains started together (devices 1 and 4) would leave
+    five. The room check is part of the transaction that marks the device, so exactly
+    one drain goes ahead; the other is refused and its device stays in service."""
+    vol = tmp_path / "vol"
+
+    async def main():
+        async with open_fs(vol) as fs:
+            v = fs.volume
+            await write_file(fs, ROOT, b"f", os.urandom(9 << 20))
+            await repair.add_device(v, str(tmp_path / "d6"))
+            outcome = {}
+
+            async def drain(dev):
+                try:
+                    outcome[dev] = (await repair.drain(v, dev))["fragments_left_on_device"]
+                except NoSpace as e:
+                    outcome[dev] = str(e)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(drain, 1)
+                nursery.start_soon(drain, 4)
+            refused = [d for d, o in outcome.items() if isinstance(o, str)]
+            assert len(refused) == 1 and "would be left" in outcome[refused[0]], outcome
+            done = ({1, 4} - set(refused)).pop()
+            assert outcome[done] == 0
+            assert v.data.devices == sorted({0, 1, 2, 3, 4, 5, 6} - {done})
+    trio.run(main)

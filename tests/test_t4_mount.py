@@ -405,6 +405,11 @@ def test_node_add_remove_and_add_again_through_the_cli(mnt, tmp_path):
     devs = {d["id"]: d for d in st["devices"]}
     assert sorted(devs) == [1, 2, 3, 4, 5, 6, 7] and st["removed_devices"] == [0]
     assert devs[7]["path"] == dev0 and devs[7]["fragments"] > 0
+    held = len(on_device(dev0))
+    # repair sweeps fragment files no record owns: device 0's old store must not
+    # list device 7's (the same directory) as such
+    bmfs("repair", mp)
+    assert len(on_device(dev0)) == held
     mnt.umount()
     assert_fsck_clean(mnt.volume)
     with Mounted(mnt.volume, tmp_path / "again") as m2:

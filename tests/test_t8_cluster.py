@@ -606,3 +606,22 @@ def test_repair_keeps_the_fragments_of_a_node_that_came_back(cluster, tmp_path, 
         _drop_caches()
         assert (mp / "f").read_bytes() == data
     assert_fsck_clean(cluster.dir)
+
+
+def test_repair_rebuilds_a_dead_nodes_fragments_unread(tmp_path):
+    """On a 7-node 4+2 cluster, node 3 dies and nothing reads its fragments: `bmfs
+    repair` finds it dead (it asks every device) and rebuilds all of them on the
+    other nodes, so the files then survive two more nodes killed."""
+    with Cluster(tmp_path / "c7", nodes=7) as c7:
+        mp = tmp_path / "mnt"
+        with Mounted(c7.dir, mp):
+            digests = _write_varied(mp, 24 << 20)
+            subprocess.run(["sync"])
+            on3 = len(on_device(f"{c7.dir}/node3/dev"))
+            assert on3 > 0
+            c7.kill(3)
+            r = json.loads(bmfs("repair", mp, "--json").stdout)
+            assert r["fragments_rebuilt"] == on3 and r["stripes_failed"] == 0, (r, on3)
+            c7.kill(1, 5)
+            _drop_caches()
+            _check(mp, digests)

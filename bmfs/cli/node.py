@@ -116,9 +116,10 @@ def _format_new(devices: dict[int, str], uuid: str, layout: str) -> None:
                 continue
         elif os.path.exists(os.path.join(path, "DEVICE")):
             continue
-        elif os.path.isdir(path) and os.listdir(path):
-            raise UserError(f"{path} is not empty and not a bmfs device: --format refuses it")
         try:
+            if os.path.isdir(path) and os.listdir(path):
+                raise UserError(f"{path} is not empty and not a bmfs device: --format "
+                                f"refuses it")
             format_store(path, uuid, dev, layout)
         except (VolumeError, OSError) as e:
             raise UserError(f"cannot format {path}: {e}")

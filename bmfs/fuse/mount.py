@@ -134,10 +134,13 @@ async def _gc_loop(fs):
             await fs.volume_gc()
             if shared:
                 await session.sweep_orphans(fs)
-            if rounds % REPAIR_EVERY == 0 and await fs.kv.range(b"h/", b"h0", 1) and \
+            from ..vfs import repair
+            # (not while a repair, scrub, drain or rebalance of this mount runs: that
+            # would hold the rest of the upkeep up until it ends)
+            if rounds % REPAIR_EVERY == 0 and not repair.busy(fs.volume) and \
+                    await fs.kv.range(b"h/", b"h0", 1) and \
                     (not shared or await session.leads_repair(fs)):
-                from ..vfs.repair import repair
-                result = await repair(fs.volume)
+                result = await repair.repair(fs.volume)
                 if result["fragments_rebuilt"] or result["stripes_failed"]:
                     log.warning("background repair: %s", result)
         except FsError as e:  # e.g. the metadata store is unreachable: no traceback

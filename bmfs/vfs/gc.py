@@ -45,6 +45,8 @@ async def sweep_leaked(volume) -> int:
     from ..transport import DeviceError
     listed: dict[int, list[str]] = {}
     for dev in sorted(volume.device_paths):
+        if dev in volume.removed:  # forgotten: its directory may be another device now
+            continue
         try:
             listed[dev] = await volume.transport.names(dev)
         except DeviceError:

@@ -53,6 +53,11 @@ def _lock(volume) -> trio.Lock:
     return lock
 
 
+def busy(volume) -> bool:
+    """Whether a repair, scrub, drain or rebalance of ``volume`` runs in this process."""
+    return _lock(volume).locked()
+
+
 async def _queued(volume) -> dict[int, set[int]]:
     out: dict[int, set[int]] = {}
     for k, _ in await volume.kv.range(b"h/", b"h0"):
@@ -139,7 +144,10 @@ async def _commit_moves(volume, sid: int, moved: dict[int, int], devices: list[i
             return  # freed meanwhile: fsck --repair sweeps the rebuilt fragments
         cur = Stripe.unpack(raw)
         for i, old in moved.items():
-            if cur.devices[i] == old:  # nobody else moved it meanwhile
+            # nobody else moved it meanwhile, nor put another fragment of the stripe
+            # on its new device (another mount's repair or rebalance)
+            if cur.devices[i] == old and devices[i] not in \
+                    (d for j, d in enumerate(cur.devices) if j != i):
                 cur.devices[i] = devices[i]
                 applied.append(i)
         final[:] = cur.devices
@@ -147,6 +155,10 @@ async def _commit_moves(volume, sid: int, moved: dict[int, int], devices: list[i
         for i in applied:
             txn.delete(keys.damage(sid, i))
     await volume.kv.transact(fn)
+    if not volume.kv.single_writer:
+        # etcd's write-behind may hold the record back: stored before a copy it no
+        # longer names is deleted (a crash in between would leave it naming nothing)
+        await volume.kv.sync()
     for i, old in moved.items():
         # names are per index, so other fragments stay. The replaced copy goes; so does
         # our new one if another repair moved the fragment elsewhere first.
@@ -166,6 +178,10 @@ async def repair(volume, avoid: set[int] | None = None, progress=None) -> dict:
 
 async def _repair(volume, avoid: set[int], progress) -> dict:
     await volume.record_damage()  # damage seen by reads so far joins the queue first
+    # devices that do not answer now (a dead node not tried lately still counts as up
+    # in the transport): their fragments are rebuilt elsewhere, as a drained device's
+    usage = await volume.device_usage(max_age=0)
+    avoid = avoid | {dev for dev, u in usage.items() if isinstance(u, Exception)}
     queued = await _queued(volume)
     todo = []
     async for sid, st in _stripes(volume):
@@ -256,28 +272,36 @@ async def rebalance(volume, progress=None) -> dict:
                 continue  # fewer devices in service than fragments: nothing better
             spare = [d for d in want if d not in st.devices and volume.transport.is_up(d)]
             off = [i for i, d in enumerate(st.devices) if d not in want]
-            if not spare or not off or data.needs_repair(st) or \
+            # all of a stripe's moves or none: part of them could put two fragments
+            # in one failure domain
+            if not off or len(spare) < len(off) or data.needs_repair(st) or \
                     not all(volume.transport.is_up(d) for d in st.devices):
                 continue
             examined += 1
             devices, fresh = list(st.devices), {}
-            for i, target in zip(off, spare):
-                try:
-                    frag = await data._read_fragment(sid, st, i)  # verified
-                    head = fr.build_header(sid, i, st.k, st.m, frag, st.frag_version)
-                    await volume.transport.put(target, fr.fragment_name(sid, i),
-                                               [head, frag])
-                except (DeviceError, fr.CorruptFragment) as e:
-                    log.warning("rebalance: stripe %d fragment %d: %s", sid, i, e)
-                    failed += 1
-                    continue
-                fresh[i], devices[i] = devices[i], target
-            if fresh:
-                volume.data.uncommitted.add(sid)
-                try:
+            volume.data.uncommitted.add(sid)  # copies not in the record yet: not leaks
+            try:
+                for i, target in zip(off, spare):
+                    try:
+                        frag = await data._read_fragment(sid, st, i)  # verified
+                        head = fr.build_header(sid, i, st.k, st.m, frag, st.frag_version)
+                        await volume.transport.put(target, fr.fragment_name(sid, i),
+                                                   [head, frag])
+                    except (DeviceError, fr.CorruptFragment) as e:
+                        log.warning("rebalance: stripe %d fragment %d: %s", sid, i, e)
+                        failed += 1
+                        break
+                    fresh[i], devices[i] = devices[i], target
+                else:
                     moved += await _commit_moves(volume, sid, fresh, devices)
-                finally:
-                    volume.data.uncommitted.discard(sid)
+                    continue
+                for i in fresh:  # a move failed: the stripe stays as it was
+                    try:
+                        await volume.transport.delete(devices[i], fr.fragment_name(sid, i))
+                    except DeviceError:
+                        pass  # its device failed too: swept as a leak later
+            finally:
+                volume.data.uncommitted.discard(sid)
         await volume.record_damage()
     return {"stripes": len(stripes), "stripes_rebalanced": examined,
             "fragments_moved": moved, "fragments_failed": failed}
@@ -313,10 +337,18 @@ async def drain(volume, device: int, remove: bool = False, progress=None) -> dic
             raise NoSpace(f"cannot drain device {device}: {k}+{m} stripes need {k + m} "
                           f"devices, and {left} would be left; add a device first")
     await set_device(volume, device, check=room, draining=True)
-    if not volume.kv.single_writer:
+    shared = not volume.kv.single_writer
+    if shared:
         # other mounts place stripes on it until their upkeep loop reads the mark
         await trio.sleep(OTHER_MOUNTS_SETTLE)
     result = await repair(volume, avoid={device}, progress=progress)
+    if shared and remove:
+        # stripes another mount placed before it read the mark and committed since
+        # (its write-behind queue): a second pass before the device is forgotten
+        await trio.sleep(OTHER_MOUNTS_SETTLE)
+        again = await repair(volume, avoid={device}, progress=progress)
+        result["fragments_rebuilt"] += again["fragments_rebuilt"]
+        result["stripes_failed"] = again["stripes_failed"]
     left = sum(st.devices.count(device) for _, st in [x async for x in _stripes(volume)])
     if remove and left == 0:
         await set_device(volume, device, removed=True)

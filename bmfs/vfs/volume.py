@@ -222,7 +222,13 @@ class Volume:
         transport; the data client places new stripes on those in service (neither
         draining nor removed), keeping its list object (the same one everywhere)."""
         for dev, rec in records.items():
-            if dev in self.device_paths or rec.get("removed"):
+            if rec.get("removed"):
+                # forgotten: never read, listed or swept again through this id (its
+                # directory may be added back as a new device, under a new id)
+                self.transport.stores.pop(dev, None)
+                getattr(self.transport, "device_node", {}).pop(dev, None)
+                continue
+            if dev in self.device_paths:
                 continue
             if self.on_nodes:
                 self.transport.add_device(dev, rec["node"])

@@ -111,6 +111,7 @@ class FileStore:
         self._direct = hasattr(os, "O_DIRECT")  # until the filesystem refuses it
         self.drop_behind = False  # see DROP_BEHIND
         self._frags = os.path.join(path, "frags", "")
+        self.volume_uuid = volume_uuid
         check_marker(path, volume_uuid, dev, 1)
 
     @staticmethod
@@ -315,7 +316,14 @@ class FileStore:
                 os.close(fd)
 
     def names(self):
-        """Every fragment name stored (temporary files of interrupted writes excluded)."""
+        """Every fragment name stored (temporary files of interrupted writes excluded).
+        OSError (ESTALE) if the directory is another device's now (formatted anew
+        after this one was removed): the leak sweep would take its fragments for
+        this device's leaks."""
+        try:
+            check_marker(self.path, self.volume_uuid, self.dev, 1)
+        except VolumeError as e:
+            raise OSError(errno.ESTALE, str(e)) from e
         root = os.path.join(self.path, "frags")
         for sub in sorted(os.listdir(root)):
             for name in os.listdir(os.path.join(root, sub)):

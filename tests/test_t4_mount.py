@@ -416,3 +416,33 @@ def test_node_add_remove_and_add_again_through_the_cli(mnt, tmp_path):
         for name, data in files.items():
             with open(f"{m2.mp}/{name}", "rb") as f:
                 assert f.read() == data
+
+
+def test_repair_that_cannot_rebuild_a_stripe_exits_1(mnt):
+    """A stripe with 3 of its 6 fragments lost (4+2 needs 4) cannot be rebuilt: its
+    file reads as an I/O error (which queues the stripe for repair), `bmfs repair`
+    says so in one line and exits 1 (scripts see it failed), and the other file is
+    untouched."""
+    from fragments import lose, on_volume
+    mp = mnt.mp
+    keep = os.urandom(5 << 20)
+    with open(f"{mp}/keep", "wb") as f:
+        f.write(keep)
+    with open(f"{mp}/doomed", "wb") as f:
+        f.write(os.urandom(4 << 20))
+    os.sync()
+    frags = on_volume(mnt.volume)
+    last = max(f.sid for f in frags)  # doomed's stripe, written last
+    for f in [f for f in frags if f.sid == last][:3]:
+        lose(f)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+    with pytest.raises(OSError) as e:  # the read finds them gone: queued for repair
+        with open(f"{mp}/doomed", "rb") as f:
+            f.read()
+    assert e.value.errno == errno.EIO
+    r = bmfs("repair", mp, check=False)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, (r.stdout, r.stderr)
+    assert "repair: 1 stripes failed" in r.stderr
+    with open(f"{mp}/keep", "rb") as f:
+        assert f.read() == keep

@@ -50,10 +50,19 @@ def run_op(args, op, **kw) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in result.items()))
-    left = result.get("fragments_left_on_device") if isinstance(result, dict) else None
+    if not isinstance(result, dict):
+        return 0
+    left = result.get("fragments_left_on_device")
     if left:  # a drain that could not move everything (devices down, stripes unreadable)
         print(f"bmfs: {left} fragments are still on device {kw.get('device')}; "
               f"run it again once the volume's other devices are up", file=sys.stderr)
+        return 1
+    failed = result.get("stripes_failed") or result.get("fragments_failed")
+    if failed:  # a repair or rebalance that could not do all it set out to
+        what = "stripes" if result.get("stripes_failed") else "fragments"
+        print(f"bmfs: {op}: {failed} {what} failed (unreadable, or their devices failed; "
+              f"the mount log says which); run it again once the devices are up",
+              file=sys.stderr)
         return 1
     return 0
 

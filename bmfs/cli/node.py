@@ -109,18 +109,10 @@ def _format_new(devices: dict[int, str], uuid: str, layout: str) -> None:
     """Format the devices that are new or empty directories (or pmem pools not made
     yet); formatted ones are left as they are (serving checks they are this volume's)."""
     from ..errors import VolumeError
-    from ..store.pmem import format_store
+    from ..store.pmem import format_if_new
     for dev, path in devices.items():
-        if path.startswith("pmem:"):
-            if os.path.exists(path[5:].partition(":")[0]):
-                continue
-        elif os.path.exists(os.path.join(path, "DEVICE")):
-            continue
         try:
-            if os.path.isdir(path) and os.listdir(path):
-                raise UserError(f"{path} is not empty and not a bmfs device: --format "
-                                f"refuses it")
-            format_store(path, uuid, dev, layout)
+            format_if_new(path, uuid, dev, layout)
         except (VolumeError, OSError) as e:
             raise UserError(f"cannot format {path}: {e}")
 

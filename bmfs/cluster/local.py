@@ -114,12 +114,11 @@ def add_node(directory: str, dev: int, domain: str | None = None) -> dict:
     (repair.add_device), or undoes this with drop_node if that fails. If the node does
     not start, nothing is left behind. The node's record."""
     import shutil
-    from ..store.pmem import format_store
-    from ..store.pool import is_pool
+    from ..store.pmem import format_store, layout_of
     info = read_info(directory)
     index = max(n["index"] for n in info["nodes"]) + 1
     path = os.path.join(os.path.abspath(directory), f"node{index}", "dev")
-    layout = "pool" if is_pool(info["nodes"][0]["path"]) else "files"
+    layout = layout_of(info["nodes"][0]["path"])
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # a failed add's leftovers
     port = free_ports(1)[0]
     node = {"index": index, "device": dev, "path": path, "port": port,

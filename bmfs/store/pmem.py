@@ -266,6 +266,28 @@ def open_store(path: str, volume_uuid: str, dev: int):
     return FileStore(path, volume_uuid, dev)
 
 
+def format_if_new(path: str, volume_uuid: str, dev: int, layout: str = "files") -> bool:
+    """Format ``path`` (format_store) if it is a new or empty directory, or a pmem pool
+    file not made yet; False if it is formatted already (opening it checks whose it
+    is). VolumeError for a directory holding other files: they are not ours."""
+    if path.startswith("pmem:"):
+        if os.path.exists(path[5:].partition(":")[0]):
+            return False
+    elif os.path.exists(os.path.join(path, "DEVICE")):
+        return False
+    elif os.path.isdir(path) and os.listdir(path):
+        raise VolumeError(f"{path} is not empty and not a bmfs device (a new device is "
+                          f"an empty or new directory)")
+    format_store(path, volume_uuid, dev, layout)
+    return True
+
+
+def layout_of(path: str) -> str:
+    """The layout of a formatted device directory: ``pool`` or ``files``."""
+    from .pool import is_pool
+    return "pool" if is_pool(path) else "files"
+
+
 def format_store(path: str, volume_uuid: str, dev: int, layout: str = "files") -> None:
     """Format a device: ``pmem:PATH[:SIZE_IN_MIB]`` is a pool file; anything else a
     directory holding a pool (``layout="pool"``) or fragment files."""

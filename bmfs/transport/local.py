@@ -59,6 +59,10 @@ class LocalTransport:
             store.drop_behind = True
         self.stores[dev] = store
 
+    def forget_device(self, dev: int) -> None:
+        """Serve ``dev`` no more (removed from the volume)."""
+        self.stores.pop(dev, None)
+
     def watch_requests(self, fd: int) -> None:
         """``fd`` is the FUSE device: requests queued on it are others waiting, which
         a slow device's reads should not keep waiting (see the module docstring)."""

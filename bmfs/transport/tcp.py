@@ -97,6 +97,11 @@ class TcpTransport:
         self.device_node[dev] = node
         self.stores[dev] = address
 
+    def forget_device(self, dev: int) -> None:
+        """Reach ``dev`` no more (removed from the volume, or never answered)."""
+        self.device_node.pop(dev, None)
+        self.stores.pop(dev, None)
+
     def is_up(self, dev: int) -> bool:
         node = self.device_node.get(dev)
         return node is not None and node.down_until <= time.monotonic()

@@ -34,7 +34,7 @@ from ..data.codec import codec
 from ..errors import Invalid, IOFailure, NoSpace, NotFound, VolumeError
 from ..meta import keys
 from ..meta.records import EC, NO_DEVICE, Stripe
-from ..store.pmem import format_store
+from ..store.pmem import format_if_new, layout_of
 from ..transport import DeviceError
 from .volume import device_records, in_service
 
@@ -448,8 +448,7 @@ async def add_device(volume, path: str, address: str | None = None, device: int 
             with trio.fail_after(5):
                 await volume.transport.stat(device)
         except BaseException as e:
-            volume.transport.device_node.pop(device, None)
-            volume.transport.stores.pop(device, None)
+            volume.transport.forget_device(device)
             if isinstance(e, (DeviceError, OSError, trio.TooSlowError)):
                 raise Invalid(f"the node at {address} does not serve device {device} ({e}); "
                               f"start it with: bmfs node serve --format --device "
@@ -472,12 +471,8 @@ def _prepare_local(uuid: str, records: dict, path: str, device: int, layout: str
     this volume removed (drained before it was: what is left in it is emptied first).
     A directory holding other files is refused; one of another volume or device is
     left for open_store to refuse."""
-    if path.startswith("pmem:"):
-        if not os.path.exists(path[5:].partition(":")[0]):
-            format_store(path, uuid, device)
-        return
     marker = os.path.join(path, "DEVICE")
-    if os.path.exists(marker):
+    if not path.startswith("pmem:") and os.path.exists(marker):
         try:
             with open(marker) as f:
                 info = json.load(f)
@@ -489,17 +484,14 @@ def _prepare_local(uuid: str, records: dict, path: str, device: int, layout: str
         for name in os.listdir(path):
             p = os.path.join(path, name)
             shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
-    elif os.path.isdir(path) and os.listdir(path):
-        raise VolumeError(f"{path} is not empty (a new device is an empty or new directory)")
-    format_store(path, uuid, device, layout)
+    format_if_new(path, uuid, device, layout)
 
 
 def _layout_of(volume, records) -> str | None:
     """The layout (pool or files) of the volume's first local device directory."""
-    from ..store.pool import is_pool
     for rec in records.values():
         p = rec.get("path", "")
         if rec.get("node", "local") == "local" and not p.startswith("pmem:") \
                 and os.path.isdir(p):
-            return "pool" if is_pool(p) else "files"
+            return layout_of(p)
     return None

@@ -225,8 +225,7 @@ class Volume:
             if rec.get("removed"):
                 # forgotten: never read, listed or swept again through this id (its
                 # directory may be added back as a new device, under a new id)
-                self.transport.stores.pop(dev, None)
-                getattr(self.transport, "device_node", {}).pop(dev, None)
+                self.transport.forget_device(dev)
                 continue
             if dev in self.device_paths:
                 continue

@@ -202,3 +202,86 @@ def test_cluster_up_with_etcd(tmp_path):
     finally:
         bmfs("cluster", "down", d, check=False, timeout=60)
     assert not any(alive(m["pid"]) for m in info["etcd"])
+
+
+def test_drain_waits_for_a_stripe_another_mount_placed_before_the_mark(
+        etcd_cluster, tmp_path, monkeypatch):
+    """Two in-process mounts of an etcd volume of 7 device directories (each with its
+    presence record, its device-record watch and its confirmations, as a mount daemon
+    runs them). Mount B has stripes under way whose fragments to device 3 are held
+    back, placed before A marks device 3 draining. A's drain waits until B confirms the
+    mark, which B does only once those stripes are committed; so the drain moves their
+    fragments too, and in the end no stripe is on device 3 and B's file reads back.
+    The fixed wait drain used before (7 s, here 1 s) moved what was committed by then
+    and missed B's stripes."""
+    import trio
+    from bmfs.meta import keys
+    from bmfs.meta.records import Stripe
+    from bmfs.vfs import repair, session
+    from bmfs.vfs.fs import FileSystem
+    from bmfs.vfs.volume import Volume
+    from bmfs.vfs.volume import mkfs as make
+    from bmfs.vfs.watch import watch_devices
+    from vfsutil import read_file, write_file
+
+    monkeypatch.setattr(repair, "OTHER_MOUNTS_SETTLE", 1.0)
+    etcd_cluster.wipe()
+    vol = str(tmp_path / "vol")
+    data = os.urandom(5 * (4 << 20))  # 5 stripes: each skips one of the 7 devices
+
+    async def stripes_on(v, dev):
+        return [k for k, raw in await v.kv.range(b"s/", b"s0")
+                if dev in Stripe.unpack(raw).devices]
+
+    async def main():
+        await make(vol, 4, 2, devices=[str(tmp_path / f"d{i}") for i in range(7)],
+                   meta=etcd_cluster.url)
+        va, vb = await Volume.open(vol), await Volume.open(vol)
+        fa, fb = await FileSystem.create(va), await FileSystem.create(vb)
+        held, release = trio.Event(), trio.Event()
+        real_put = vb.transport.put
+
+        async def put(dev, name, parts):
+            if dev == 3:
+                held.set()
+                await release.wait()
+            return await real_put(dev, name, parts)
+        vb.transport.put = put
+        try:
+            async with trio.open_nursery() as nursery:
+                for fs, name in ((fa, "a"), (fb, "b")):
+                    await nursery.start(session.keep_alive, fs, str(tmp_path / name))
+                    nursery.start_soon(watch_devices, fs)
+                    nursery.start_soon(session.confirm_devices, fs)
+                written = {}
+
+                async def write():
+                    written["ino"] = await write_file(fb, 1, b"f", data)
+                nursery.start_soon(write)
+                await held.wait()  # B placed a stripe on device 3, not committed yet
+                drained = {}
+
+                async def drain():
+                    drained.update(await repair.drain(va, 3))
+                nursery.start_soon(drain)
+                await trio.sleep(2.5)  # more than the old fixed wait, here 1 s
+                assert not drained, "the drain went ahead before mount B confirmed"
+                assert 3 not in vb.data.devices  # B took the mark up (its watch)
+                release.set()
+                with trio.fail_after(60):
+                    while not drained or "ino" not in written:
+                        await trio.sleep(0.1)
+                assert drained["mounts_confirmed"] == 2, drained
+                assert drained["mounts_unconfirmed"] == 0, drained
+                assert drained["fragments_left_on_device"] == 0, drained
+                assert await stripes_on(va, 3) == []
+                vb.data._tables.clear()
+                assert await read_file(fb, written["ino"]) == data
+                rec = json.loads(await va.kv.get(keys.mount(fb.mount_id)))
+                assert rec["devices"] == vb.devices_seq >= 1
+                nursery.cancel_scope.cancel()
+        finally:
+            for fs, v in ((fa, va), (fb, vb)):
+                await fs.aclose()
+                await v.aclose()
+    trio.run(main)

@@ -8,8 +8,9 @@ ready (or an error, which it prints as one line). The child logs to
 
 Besides serving FUSE the daemon runs: garbage collection of unreferenced stripes;
 on etcd volumes, the watch that keeps the kernel's caches coherent with other mounts
-(vfs/watch.py), this mount's leased presence record and a sweep freeing files that
-dead mounts held unlinked-but-open (vfs/session.py).
+(vfs/watch.py) and one taking up other mounts' device changes, this mount's leased
+presence record (which confirms device changes to drain), and a sweep freeing files
+that dead mounts held unlinked-but-open (vfs/session.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from ..errors import FsError
 from ..vfs import gc, session
 from ..vfs.fs import FileSystem
 from ..vfs.volume import Volume
-from ..vfs.watch import Watcher
+from ..vfs.watch import Watcher, watch_devices
 from .ops import Operations
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                 if ready:
                     ready(None)
                 nursery.start_soon(_gc_loop, fs)
+                if hasattr(volume.kv, "grant_lease"):  # shared: other mounts change devices
+                    nursery.start_soon(watch_devices, fs)
+                    nursery.start_soon(session.confirm_devices, fs)
                 nursery.start_soon(_signals)
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
                 nursery.cancel_scope.cancel()

@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 # volume other mounts share: more than their upkeep loop's round (GC_INTERVAL in
 # fuse/mount.py), in which each takes the mark up and stops placing stripes there
 OTHER_MOUNTS_SETTLE = 7.0
+# how long drain waits for the other mounts to confirm a draining mark (a mount takes
+# it up within milliseconds through its watch, then commits the stripes it placed
+# before), and how often it looks
+MOUNTS_TIMEOUT = 30.0
+MOUNTS_POLL = 0.2
 _locks: "weakref.WeakKeyDictionary[object, trio.Lock]" = weakref.WeakKeyDictionary()
 
 
@@ -336,15 +341,19 @@ async def drain(volume, device: int, remove: bool = False, progress=None) -> dic
             # fragment short for as long as it stays drained: refused, nothing changed
             raise NoSpace(f"cannot drain device {device}: {k}+{m} stripes need {k + m} "
                           f"devices, and {left} would be left; add a device first")
-    await set_device(volume, device, check=room, draining=True)
+    rec = await set_device(volume, device, check=room, draining=True)
     shared = not volume.kv.single_writer
+    waited = {}
     if shared:
-        # other mounts place stripes on it until their upkeep loop reads the mark
-        await trio.sleep(OTHER_MOUNTS_SETTLE)
+        # other mounts place stripes on it until they take the mark up, and commit
+        # those placed before later: wait until each says both are done
+        waited = await _wait_for_mounts(volume, rec["seq"])
+        # and read what they committed: this engine's cached reads may lag behind
+        await volume.kv.barrier()
     result = await repair(volume, avoid={device}, progress=progress)
-    if shared and remove:
-        # stripes another mount placed before it read the mark and committed since
-        # (its write-behind queue): a second pass before the device is forgotten
+    if waited.get("mounts_unconfirmed") and remove:
+        # a mount that did not say it took the mark up may have committed stripes on
+        # the device since: a second pass before the device is forgotten
         await trio.sleep(OTHER_MOUNTS_SETTLE)
         again = await repair(volume, avoid={device}, progress=progress)
         result["fragments_rebuilt"] += again["fragments_rebuilt"]
@@ -352,7 +361,47 @@ async def drain(volume, device: int, remove: bool = False, progress=None) -> dic
     left = sum(st.devices.count(device) for _, st in [x async for x in _stripes(volume)])
     if remove and left == 0:
         await set_device(volume, device, removed=True)
-    return {**result, "fragments_left_on_device": left, "removed": bool(remove and left == 0)}
+    return {**result, **waited, "fragments_left_on_device": left,
+            "removed": bool(remove and left == 0)}
+
+
+async def _wait_for_mounts(volume, seq: int, timeout: float = MOUNTS_TIMEOUT) -> dict:
+    """Wait until every live mount of a shared volume has published, in its ``m/``
+    record, that it took up the device records up to change ``seq`` and committed
+    every stripe it placed before (session.confirm_devices): from then on no stripe
+    lands on a device marked by that change. Mounts of an older bmfs publish nothing:
+    for them, OTHER_MOUNTS_SETTLE seconds (their upkeep loop's round, and more) since
+    the mark. After ``timeout`` seconds it goes on without the mounts still behind,
+    which are logged (dead ones' records go with their leases, session.TTL).
+    Returns ``{"mounts_confirmed": n, "mounts_unconfirmed": n}``."""
+    start = trio.current_time()
+    while True:
+        behind, older, confirmed = [], 0, 0
+        for _, raw in await volume.kv.range(b"m/", b"m0"):
+            try:
+                rec = json.loads(raw)
+                seen = rec.get("devices")
+            except (ValueError, AttributeError):
+                rec, seen = {}, None
+            if seen is None:
+                older += 1
+            elif int(seen) >= seq:
+                confirmed += 1
+            else:
+                behind.append(rec)
+        waited = trio.current_time() - start
+        if older and not behind and waited < OTHER_MOUNTS_SETTLE:
+            await trio.sleep(OTHER_MOUNTS_SETTLE - waited)
+            continue
+        if not behind or waited >= timeout:
+            break
+        await trio.sleep(MOUNTS_POLL)
+    for rec in behind:
+        log.warning("mount %s:%s (pid %s) did not confirm it stopped placing stripes on "
+                    "the draining device within %.0f s; going on without it",
+                    rec.get("host"), rec.get("mountpoint"), rec.get("pid"), timeout)
+    # (an older mount confirms nothing: it counts as unconfirmed, after its wait)
+    return {"mounts_confirmed": confirmed, "mounts_unconfirmed": len(behind) + older}
 
 
 async def set_device(volume, device: int, check=None, **changes) -> dict:
@@ -372,6 +421,9 @@ async def set_device(volume, device: int, check=None, **changes) -> dict:
                 rec[key] = True
             else:
                 rec.pop(key, None)
+        # the records' change number: each mount publishes the one it has taken up
+        # (session.confirm_devices), for drain to wait for (_wait_for_mounts)
+        rec["seq"] = max(r.get("seq", 0) for r in records.values()) + 1
         if check is not None:
             check(records)
         txn.put(keys.device(device), json.dumps(rec).encode())

@@ -9,6 +9,9 @@ runs out, and the next orphan sweep of any live mount (every few seconds, see
 fuse/mount.py) frees its orphans. Engines without leases (memory, sqlite) have a single
 owner, which frees leftover orphans when it mounts.
 
+The record also says up to which change of the device records the mount has stopped
+placing stripes by the old ones (``devices``: confirm_devices), which drain waits for.
+
 Caveat: if etcd is unreachable for longer than the TTL, the lease expires while the
 mount lives; the record is put again as soon as etcd answers, but in between another
 mount may free a file this mount holds unlinked-but-open.
@@ -40,21 +43,24 @@ async def keep_alive(fs, mountpoint: str, task_status=trio.TASK_STATUS_IGNORED) 
     if not hasattr(kv, "grant_lease"):
         task_status.started()
         return
-    record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                         "mountpoint": os.path.abspath(mountpoint),
-                         "started": time.time()}).encode()
+    volume = fs.volume
+    fields = {"host": socket.gethostname(), "pid": os.getpid(),
+              "mountpoint": os.path.abspath(mountpoint), "started": time.time()}
     lease = None
     put = started = False
+    published = None  # the devices_confirmed the record says
     try:
         while True:
             try:
                 if lease is None:
                     lease, put = await kv.grant_lease(TTL), False
-                if put:
+                confirmed = volume.devices_confirmed
+                if put and confirmed == published:
                     await kv.keepalive(lease)
                 else:
+                    record = json.dumps({**fields, "devices": confirmed}).encode()
                     await kv.put_with_lease(keys.mount(fs.mount_id), record, lease)
-                    put = True
+                    put, published = True, confirmed
             except NotFound:
                 log.warning("the lease of this mount's record expired (etcd unreachable "
                             "for over %d s?); putting it again", TTL)
@@ -65,7 +71,9 @@ async def keep_alive(fs, mountpoint: str, task_status=trio.TASK_STATUS_IGNORED) 
             if not started:
                 started = True
                 task_status.started()
-            await trio.sleep(TTL / 3)
+            if volume.devices_confirmed == published:
+                with trio.move_on_after(TTL / 3):
+                    await volume.confirmed_changed.park()  # (or put it at once)
     finally:
         if lease is not None:
             with trio.move_on_after(2) as scope:
@@ -74,6 +82,33 @@ async def keep_alive(fs, mountpoint: str, task_status=trio.TASK_STATUS_IGNORED) 
                     await kv.revoke_lease(lease)
                 except FsError:
                     pass  # it expires by itself
+
+
+async def confirm_devices(fs) -> None:
+    """Each time this mount takes up a change of the device records (a device marked
+    draining, say: Volume.devices_seq), wait until every stripe it placed before is
+    committed (being written then: DataClient.uncommitted; queued behind: kv.sync),
+    then raise ``devices_confirmed``, which keep_alive puts in the ``m/`` record at
+    once. A drain waits for every live mount to confirm its mark (repair.drain): from
+    then on no stripe lands on the device. Runs until cancelled."""
+    volume = fs.volume
+    while True:
+        while volume.devices_seq <= volume.devices_confirmed:
+            await volume.devices_changed.park()
+        seq = volume.devices_seq
+        # (writes end, stored or failed, within the transport's timeouts; a drain
+        # does not wait for a mount longer than repair.MOUNTS_TIMEOUT)
+        placed_before = set(volume.data.uncommitted)
+        while placed_before & volume.data.uncommitted:
+            await trio.sleep(0.05)
+        try:
+            await fs.kv.sync()
+        except FsError as e:  # etcd unreachable, say: drain waits (up to its limit)
+            log.warning("could not confirm device change %d: %s; trying again", seq, e)
+            await trio.sleep(1)
+            continue
+        volume.devices_confirmed = max(volume.devices_confirmed, seq)
+        volume.confirmed_changed.unpark_all()
 
 
 async def leads_repair(fs) -> bool:

@@ -12,6 +12,8 @@ import os
 import time
 import uuid as uuidlib
 
+import trio
+
 from ..config import VolumeSettings
 from ..data.client import DataClient
 from ..errors import VolumeError
@@ -170,6 +172,13 @@ class Volume:
         self.device_paths = device_paths
         self.removed: set[int] = set()  # devices `bmfs node remove` forgot
         self._devices_lock = None  # a trio.Lock, made on first use (refresh_devices)
+        # the device records' change number (their highest "seq") this volume took up,
+        # and the one up to which every stripe placed before is committed
+        # (session.confirm_devices; published in the mount's m/ record for drain)
+        self.devices_seq = 0
+        self.devices_confirmed = 0
+        self.devices_changed = trio.lowlevel.ParkingLot()  # devices_seq rose
+        self.confirmed_changed = trio.lowlevel.ParkingLot()  # devices_confirmed rose
         self.damage: list[tuple[int, int, str]] = []
         self._usage = None
 
@@ -207,6 +216,7 @@ class Volume:
             vol.data = DataClient(transport, [], settings.k, settings.m, settings.inline_max,
                                   on_damage=vol._damaged)
             vol._take_up(records)
+            vol.devices_confirmed = vol.devices_seq  # nothing placed before this
             return vol
         except BaseException:
             await kv.aclose()
@@ -244,13 +254,16 @@ class Volume:
         self.data.sync_devices = sorted(d for d, r in records.items() if not r.get("removed"))
         self.data.domains.update((dev, rec.get("domain") or rec.get("node", "local"))
                                  for dev, rec in records.items())
+        seq = max((rec.get("seq", 0) for rec in records.values()), default=0)
+        if seq > self.devices_seq:
+            self.devices_seq = seq
+            self.devices_changed.unpark_all()
 
     async def refresh_devices(self) -> None:
         """Read the device records and take them up: after this process changed one
         (drain, undrain, add), and every few seconds in the mount's upkeep loop for
         what other mounts changed. One at a time, so records read earlier are never
         applied after ones read later."""
-        import trio
         if self._devices_lock is None:
             self._devices_lock = trio.Lock()
         async with self._devices_lock:
@@ -259,7 +272,6 @@ class Volume:
     async def device_usage(self, max_age: float = 2.0) -> dict[int, dict | Exception]:
         """Usage of every device ({total, free} or the error), cached for ``max_age`` s."""
         import time as _time
-        import trio
         from ..transport import DeviceError
         now = _time.monotonic()
         if self._usage and now - self._usage[0] < max_age:

@@ -55,6 +55,34 @@ def _layered(key: bytes) -> tuple[bytes, int] | None:
         return None
 
 
+async def watch_devices(fs) -> None:
+    """Take up the device records' changes that other mounts make (a device marked
+    draining, one added) as they are committed, not at the next upkeep round: one watch
+    over the records, each batch of changes read with Volume.refresh_devices. While it
+    is broken, the upkeep loop still reads them every few seconds. Runs until
+    cancelled; returns at once for engines without watches."""
+    kv = fs.kv
+    if not hasattr(kv, "watch"):
+        return
+    while True:
+        try:
+            async with kv.watch(keys.DEVICE_PREFIX, keys.DEVICE_PREFIX + b"\xff") as changes:
+                await fs.volume.refresh_devices()  # what changed before it began
+                async for _ in changes:
+                    while True:  # the rest of the batch: one read takes all of it up
+                        try:
+                            changes.receive_nowait()
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                    await fs.volume.refresh_devices()
+        except FsError as e:
+            log.warning("the device records' watch broke (%s); the upkeep loop takes "
+                        "their changes up meanwhile", e)
+        except Exception:  # noqa: BLE001 (logged; the mount goes on, the upkeep loop too)
+            log.exception("the device records' watch failed; starting it again")
+        await trio.sleep(RETRY_DELAY)
+
+
 class Watcher:
     """Invalidates the kernel's caches of one mount when other mounts change the volume.
 

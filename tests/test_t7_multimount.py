@@ -230,7 +230,7 @@ def test_drain_waits_for_a_stripe_another_mount_placed_before_the_mark(
     data = os.urandom(5 * (4 << 20))  # 5 stripes: each skips one of the 7 devices
 
     async def stripes_on(v, dev):
-        return [k for k, raw in await v.kv.range(b"s/", b"s0")
+        return [k for k, raw in await v.kv.range(b"t/", b"t0")
                 if dev in Stripe.unpack(raw).devices]
 
     async def main():
@@ -284,4 +284,49 @@ def test_drain_waits_for_a_stripe_another_mount_placed_before_the_mark(
             for fs, v in ((fa, va), (fb, vb)):
                 await fs.aclose()
                 await v.aclose()
+    trio.run(main)
+
+
+def test_no_fragment_moves_onto_a_device_marked_draining_meanwhile(etcd_cluster, tmp_path):
+    """A process that does not know of a draining mark (an offline `bmfs rebalance`,
+    which drains do not wait for) must not move fragments onto the marked device: two
+    in-process openings of an etcd volume; B takes up an added device 7, then A marks
+    it draining, and B's rebalance, which places ~1/8 of the fragments on it, commits
+    none of those moves: no stripe is on device 7 and the files read back."""
+    import trio
+    from bmfs.meta.records import Stripe
+    from bmfs.vfs import repair
+    from bmfs.vfs.fs import FileSystem
+    from bmfs.vfs.volume import Volume
+    from bmfs.vfs.volume import mkfs as make
+    from vfsutil import read_file, write_file
+
+    etcd_cluster.wipe()
+    vol = str(tmp_path / "vol")
+    files = {b"f%d" % i: os.urandom((6 << 20) + i) for i in range(4)}
+
+    async def main():
+        await make(vol, 4, 2, devices=[str(tmp_path / f"d{i}") for i in range(7)],
+                   meta=etcd_cluster.url)
+        va, vb = await Volume.open(vol), await Volume.open(vol)
+        fa = await FileSystem.create(va)
+        try:
+            inos = {n: await write_file(fa, 1, n, d) for n, d in files.items()}
+            await repair.add_device(va, str(tmp_path / "d7"))
+            await vb.refresh_devices()
+            assert 7 in vb.data.devices
+            await repair.set_device(va, 7, draining=True)  # B does not look again
+            assert 7 in vb.data.devices
+            result = await repair.rebalance(vb)
+            on7 = [k for k, raw in await va.kv.range(b"t/", b"t0")
+                   if 7 in Stripe.unpack(raw).devices]
+            assert on7 == [], (on7, result)
+            assert result["fragments_moved"] == 0, result
+            va.data._tables.clear()
+            for n, ino in inos.items():
+                assert await read_file(fa, ino) == files[n]
+        finally:
+            await fa.aclose()
+            await va.aclose()
+            await vb.aclose()
     trio.run(main)

@@ -67,6 +67,13 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                 # before the first request: other mounts' changes from now on are seen
                 await nursery.start(Watcher(fs).run)
                 await nursery.start(session.keep_alive, fs, mountpoint)
+                if hasattr(volume.kv, "grant_lease"):
+                    # a drain that looked for mounts before this one's record was put
+                    # did not wait for it: take up any mark it made, now that drains
+                    # see the record (nothing is placed yet, so it is confirmed too)
+                    await volume.refresh_devices()
+                    volume.devices_confirmed = volume.devices_seq
+                    volume.confirmed_changed.unpark_all()
                 _write_pid(pidfiles, mountpoint)
                 if ready:
                     ready(None)

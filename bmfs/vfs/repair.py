@@ -148,10 +148,15 @@ async def _commit_moves(volume, sid: int, moved: dict[int, int], devices: list[i
         if raw is None:
             return  # freed meanwhile: fsck --repair sweeps the rebuilt fragments
         cur = Stripe.unpack(raw)
+        # targets marked draining or removed since this run chose them (a drain
+        # elsewhere, which waits for mounts but not for this process): not moved there
+        # (read in the transaction: a mark committed meanwhile makes it conflict)
+        records = await device_records(txn)
+        shut = {d for d, r in records.items() if r.get("draining") or r.get("removed")}
         for i, old in moved.items():
             # nobody else moved it meanwhile, nor put another fragment of the stripe
             # on its new device (another mount's repair or rebalance)
-            if cur.devices[i] == old and devices[i] not in \
+            if cur.devices[i] == old and devices[i] not in shut and devices[i] not in \
                     (d for j, d in enumerate(cur.devices) if j != i):
                 cur.devices[i] = devices[i]
                 applied.append(i)
@@ -380,12 +385,12 @@ async def _wait_for_mounts(volume, seq: int, timeout: float = MOUNTS_TIMEOUT) ->
         for _, raw in await volume.kv.range(b"m/", b"m0"):
             try:
                 rec = json.loads(raw)
-                seen = rec.get("devices")
-            except (ValueError, AttributeError):
+                seen = int(rec["devices"]) if "devices" in rec else None
+            except (ValueError, TypeError, AttributeError):
                 rec, seen = {}, None
             if seen is None:
                 older += 1
-            elif int(seen) >= seq:
+            elif seen >= seq:
                 confirmed += 1
             else:
                 behind.append(rec)

@@ -49,31 +49,43 @@ async def keep_alive(fs, mountpoint: str, task_status=trio.TASK_STATUS_IGNORED) 
     lease = None
     put = started = False
     published = None  # the devices_confirmed the record says
+    renewed = 0.0  # trio time the lease was last granted or renewed
+    while_ok = TTL / 3
     try:
         while True:
+            wait, failed = while_ok, False
             try:
+                now = trio.current_time()
                 if lease is None:
-                    lease, put = await kv.grant_lease(TTL), False
-                confirmed = volume.devices_confirmed
-                if put and confirmed == published:
+                    lease, put, renewed = await kv.grant_lease(TTL), False, now
+                elif now - renewed >= while_ok:
+                    # (a put does not renew the lease: confirmations in quick
+                    # succession must not starve the renewal)
                     await kv.keepalive(lease)
-                else:
+                    renewed = now
+                confirmed = volume.devices_confirmed
+                if not put or confirmed != published:
                     record = json.dumps({**fields, "devices": confirmed}).encode()
                     await kv.put_with_lease(keys.mount(fs.mount_id), record, lease)
                     put, published = True, confirmed
+                wait = max(0.0, renewed + while_ok - trio.current_time())
             except NotFound:
                 log.warning("the lease of this mount's record expired (etcd unreachable "
                             "for over %d s?); putting it again", TTL)
                 lease = None
                 continue
-            except FsError as e:
+            except FsError as e:  # tried again after a round, not at once
                 log.warning("could not renew this mount's record: %s", e)
+                failed = True
             if not started:
                 started = True
                 task_status.started()
-            if volume.devices_confirmed == published:
-                with trio.move_on_after(TTL / 3):
-                    await volume.confirmed_changed.park()  # (or put it at once)
+            with trio.move_on_after(wait):
+                if failed:
+                    await trio.sleep_forever()
+                elif volume.devices_confirmed == published:
+                    await volume.confirmed_changed.park()
+                # (else a confirmation came meanwhile: put it at once)
     finally:
         if lease is not None:
             with trio.move_on_after(2) as scope:

@@ -50,6 +50,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
             log.warning("the last mount crashed: deleted %d fragment files of writes it "
                         "never committed", swept)
         fs = await FileSystem.create(volume, opts.branch)
+        shared = hasattr(volume.kv, "grant_lease")  # etcd: other mounts change devices
         volume.kv.enable_write_behind()  # etcd: commit behind (docs/etcd.md)
         ops = Operations(fs, opts.attr_timeout)
         fuse_options = set(pyfuse3.default_options)
@@ -67,7 +68,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                 # before the first request: other mounts' changes from now on are seen
                 await nursery.start(Watcher(fs).run)
                 await nursery.start(session.keep_alive, fs, mountpoint)
-                if hasattr(volume.kv, "grant_lease"):
+                if shared:
                     # a drain that looked for mounts before this one's record was put
                     # did not wait for it: take up any mark it made, now that drains
                     # see the record (nothing is placed yet, so it is confirmed too)
@@ -78,7 +79,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                 if ready:
                     ready(None)
                 nursery.start_soon(_gc_loop, fs)
-                if hasattr(volume.kv, "grant_lease"):  # shared: other mounts change devices
+                if shared:
                     nursery.start_soon(watch_devices, fs)
                     nursery.start_soon(session.confirm_devices, fs)
                 nursery.start_soon(_signals)

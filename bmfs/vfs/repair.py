@@ -39,9 +39,10 @@ from ..transport import DeviceError
 from .volume import device_records, in_service
 
 log = logging.getLogger(__name__)
-# seconds after a device is marked draining before drain moves its fragments, on a
-# volume other mounts share: more than their upkeep loop's round (GC_INTERVAL in
-# fuse/mount.py), in which each takes the mark up and stops placing stripes there
+# seconds drain waits, on a volume other mounts share, for mounts that do not confirm
+# its mark (an older bmfs: more than their upkeep loop's round, GC_INTERVAL in
+# fuse/mount.py, in which each takes the mark up), and before remove's second pass
+# when some mount did not confirm (_wait_for_mounts)
 OTHER_MOUNTS_SETTLE = 7.0
 # how long drain waits for the other mounts to confirm a draining mark (a mount takes
 # it up within milliseconds through its watch, then commits the stripes it placed
@@ -148,11 +149,14 @@ async def _commit_moves(volume, sid: int, moved: dict[int, int], devices: list[i
         if raw is None:
             return  # freed meanwhile: fsck --repair sweeps the rebuilt fragments
         cur = Stripe.unpack(raw)
-        # targets marked draining or removed since this run chose them (a drain
-        # elsewhere, which waits for mounts but not for this process): not moved there
-        # (read in the transaction: a mark committed meanwhile makes it conflict)
-        records = await device_records(txn)
-        shut = {d for d, r in records.items() if r.get("draining") or r.get("removed")}
+        # on a shared volume, targets marked draining or removed since this run chose
+        # them (a drain elsewhere, which waits for mounts but not for this process):
+        # not moved there (read in the transaction: a mark committed meanwhile makes
+        # it conflict). A single-writer engine has no one else to mark them.
+        shut = set()
+        if not volume.kv.single_writer:
+            shut = {d for d, r in (await device_records(txn)).items()
+                    if r.get("draining") or r.get("removed")}
         for i, old in moved.items():
             # nobody else moved it meanwhile, nor put another fragment of the stripe
             # on its new device (another mount's repair or rebalance)

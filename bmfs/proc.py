@@ -20,3 +20,23 @@ def alive(pid: int) -> bool:
         return len(os.listdir(f"/proc/{pid}/task")) > 1
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+def notify_ready(status: str = "") -> bool:
+    """Tell systemd a Type=notify service is ready (sd_notify's READY=1 on the datagram
+    socket named by NOTIFY_SOCKET; an abstract one if it starts with '@'). False when
+    not run by systemd or the message could not be sent: nothing waits for it then."""
+    import socket
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return False
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    msg = "READY=1" + (f"\nSTATUS={status}" if status else "")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(path)
+            s.sendall(msg.encode())
+        return True
+    except OSError:
+        return False

@@ -258,6 +258,9 @@ def test_mkfs_device_count_and_reuse(tmp_path):
     bmfs("mkfs", tmp_path / "v", "--ec", "2+1", *devs)
     r = bmfs("mkfs", tmp_path / "v2", "--ec", "2+1", *devs, check=False)
     assert r.returncode == 2 and "already" in r.stderr
+    r = bmfs("mkfs", tmp_path / "v3", "--on-nodes", *devs, check=False)
+    assert r.returncode == 2 and "starts with no devices" in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "v3" / "volume.json")
     with Mounted(tmp_path / "v", tmp_path / "m") as m:
         with open(f"{m.mp}/f", "wb") as f:
             f.write(os.urandom(300_000))

@@ -1,4 +1,6 @@
-"""bmfs mkfs VOLUME [--ec K+M] [--device PATH ...] [--meta URL] [--layout pool|files]"""
+"""bmfs mkfs VOLUME [--ec K+M] [--device PATH ... | --on-nodes] [--meta URL] [--layout pool|files]"""
+import os
+
 import trio
 
 from ..config import parse_ec
@@ -11,6 +13,9 @@ def add_parser(sub):
     p.add_argument("--ec", default="4+2", help="erasure code K+M (default 4+2)")
     p.add_argument("--device", action="append", default=[], metavar="PATH",
                    help="a device directory; give K+M or more (default: K+M inside VOLUME)")
+    p.add_argument("--on-nodes", action="store_true",
+                   help="the devices will be storage nodes' (other machines): none yet, "
+                        "add each with bmfs node add --address; writes VOLUME/secret")
     p.add_argument("--meta", help="metadata URL (default sqlite:VOLUME/meta.db)")
     p.add_argument("--fragment-size", type=int, default=1 << 20, help=argparse_help())
     p.add_argument("--layout", choices=LAYOUTS, default=None,
@@ -34,6 +39,14 @@ def run(args) -> int:
     if args.fragment_size < 4096 or args.fragment_size % 4096:
         raise ValueError("--fragment-size must be a multiple of 4096")
     s = trio.run(lambda: mkfs(args.volume, k, m, args.device or None, args.meta,
-                              args.fragment_size, layout=args.layout))
+                              args.fragment_size, layout=args.layout, on_nodes=args.on_nodes))
     print(f"created volume {args.volume} ({s.k}+{s.m}, uuid {s.uuid})")
+    if args.on_nodes:
+        vol = os.path.abspath(args.volume)
+        print(f"cluster secret: {vol}/secret (copy it to every storage node and client)\n"
+              f"next, for each device ID (0, 1, ...; {s.k + s.m} or more):\n"
+              f"  on its machine: bmfs node serve --format --listen HOST:PORT "
+              f"--device ID=PATH --secret-file SECRET --volume-uuid {s.uuid}\n"
+              f"  then here:      bmfs node add PATH --address HOST:PORT --id ID "
+              f"--volume {vol}")
     return 0

@@ -82,6 +82,17 @@ def _serve(volume, mp, opts, ready_fd) -> int:
         if ready_fd is not None:
             os.write(ready_fd, (f"error: {err}" if err else "ready").encode() + b"\n")
             os.close(ready_fd)
+        elif err is None:
+            # in the foreground (a service): what _spawn's parent does once it is ready,
+            # from a thread (the stat in it is served by this process's event loop),
+            # then tell systemd (Type=notify) the mount is up
+            import threading
+            from ..proc import notify_ready
+
+            def up():
+                _raise_read_ahead(mp)
+                notify_ready(f"mounted {volume} at {mp}")
+            threading.Thread(target=up, daemon=True).start()
     try:
         trio.run(serve, volume, mp, opts, ready)
     except Exception as e:

@@ -1,4 +1,4 @@
-"""bmfs node serve|drain|remove|undrain|add"""
+"""bmfs node serve|format|drain|remove|undrain|add"""
 from __future__ import annotations
 
 import os
@@ -30,6 +30,12 @@ def add_parser(sub):
     s.add_argument("--fault", default=os.environ.get("BMFS_NODE_FAULT"),
                    help="test fault control: delay=SECONDS slows every read reply")
     s.set_defaults(func=run_serve)
+    f = ns.add_parser("format", help="format new or empty device directories for a "
+                                     "volume (what serve --format does first)")
+    f.add_argument("--device", action="append", required=True, metavar="ID=PATH")
+    f.add_argument("--volume-uuid", required=True)
+    f.add_argument("--layout", choices=LAYOUTS, default="files")
+    f.set_defaults(func=run_format)
     for action, helptext in (("drain", "move every fragment off a device"),
                              ("remove", "drain a device, then forget it")):
         d = ns.add_parser(action, help=helptext)
@@ -82,12 +88,7 @@ def run_serve(args) -> int:
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         raise UserError(f"--listen wants HOST:PORT, not {args.listen!r}")
-    devices = {}
-    for d in args.device:
-        ident, _, path = d.partition("=")
-        if not ident.isdigit() or not path:
-            raise UserError(f"--device wants ID=PATH, not {d!r}")
-        devices[int(ident)] = path
+    devices = _devices(args)
     if args.format:
         _format_new(devices, args.volume_uuid, args.layout)
     delay = 0.0
@@ -100,21 +101,45 @@ def run_serve(args) -> int:
         secret = read_secret(args.secret_file)
     except OSError as e:
         raise UserError(f"cannot read {args.secret_file}: {e.strerror}")
+    from ..proc import notify_ready
     trio.run(run_node, args.name or args.listen, host, int(port), secret, devices,
-             args.volume_uuid, None, delay, args.meta)
+             args.volume_uuid, lambda bound: notify_ready(f"serving on {host}:{bound}"),
+             delay, args.meta)
     return 0
 
 
-def _format_new(devices: dict[int, str], uuid: str, layout: str) -> None:
+def _devices(args) -> dict[int, str]:
+    devices = {}
+    for d in args.device:
+        ident, _, path = d.partition("=")
+        if not ident.isdigit() or not path:
+            raise UserError(f"--device wants ID=PATH, not {d!r}")
+        devices[int(ident)] = path
+    return devices
+
+
+def run_format(args) -> int:
+    """bmfs node format: what serve --format does, alone (a step of its own for
+    service managers: a unit that formatted at every start would format the empty
+    directory left where a disk failed to mount)."""
+    for dev, path, made in _format_new(_devices(args), args.volume_uuid, args.layout):
+        print(f"device {dev}: {path} {'formatted' if made else 'is formatted already'}")
+    return 0
+
+
+def _format_new(devices: dict[int, str], uuid: str, layout: str) -> list:
     """Format the devices that are new or empty directories (or pmem pools not made
-    yet); formatted ones are left as they are (serving checks they are this volume's)."""
+    yet); formatted ones are left as they are (serving checks they are this volume's).
+    Returns (device, path, whether formatted now) for each."""
     from ..errors import VolumeError
     from ..store.pmem import format_if_new
+    out = []
     for dev, path in devices.items():
         try:
-            format_if_new(path, uuid, dev, layout)
+            out.append((dev, path, format_if_new(path, uuid, dev, layout)))
         except (VolumeError, OSError) as e:
             raise UserError(f"cannot format {path}: {e}")
+    return out
 
 
 def run_drain(args) -> int:

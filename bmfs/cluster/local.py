@@ -21,6 +21,7 @@ import time
 import trio
 
 from ..errors import VolumeError
+from ..node.protocol import make_secret
 
 CLUSTER_FILE = "cluster.json"
 DOWN_FILE = CLUSTER_FILE + ".down"  # what `down` leaves: the same list, nothing running
@@ -80,11 +81,7 @@ def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None,
     if nodes < k + m:
         raise VolumeError(f"--ec {k}+{m} needs at least {k + m} nodes, {nodes} given")
     os.makedirs(directory, exist_ok=True)
-    secret = os.path.join(directory, "secret")
-    if not os.path.exists(secret):
-        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, os.urandom(32).hex().encode())
-        os.close(fd)
+    make_secret(os.path.join(directory, "secret"))
     ports = free_ports(nodes)
     paths = [os.path.join(os.path.abspath(directory), f"node{i}", "dev") for i in range(nodes)]
     addrs = [f"127.0.0.1:{p}" for p in ports]

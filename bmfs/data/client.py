@@ -72,6 +72,10 @@ class DataClient:
         if length <= self.inline_max:
             return Stripe(INLINE, length, data=stripe_bytes(data))
         k, m = self.k, self.m
+        if len(self.devices) <= k:  # (a volume on storage nodes whose devices are not
+            # all added yet: fragments would double up on too few of them, or nowhere)
+            raise NoSpace(f"the volume has {len(self.devices)} devices in service; writes "
+                          f"need at least {k + 1} ({k}+{m}): add devices (bmfs node add)")
         self.uncommitted.add(sid)
         cd = codec(k, m)
         version = fr.VERSION

@@ -404,6 +404,17 @@ async def client_handshake(conn: Connection, secret: bytes) -> str:
     return hello.node
 
 
+def make_secret(path: str) -> None:
+    """Write a new random cluster secret to ``path`` (mode 0600) unless one is there."""
+    if os.path.exists(path):
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, os.urandom(32).hex().encode())
+    finally:
+        os.close(fd)
+
+
 def read_secret(path: str) -> bytes:
     with open(path, "rb") as f:
         secret = f.read().strip()

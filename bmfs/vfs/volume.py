@@ -50,20 +50,30 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
                meta: str | None = None, fragment_size: int = 1 << 20,
                nodes: list[str] | None = None,
                domains: list[str] | None = None,
-               layout: str | None = None) -> VolumeSettings:
+               layout: str | None = None, on_nodes: bool = False) -> VolumeSettings:
     """Create a volume in directory ``path``. Raises VolumeError if one is there already.
     ``layout``: how device directories keep fragments (store/pmem.py LAYOUTS; default
-    DEFAULT_LAYOUT)."""
+    DEFAULT_LAYOUT). ``on_nodes``: a volume whose devices will be storage nodes' (on
+    other machines), none yet: each is added with ``bmfs node add --address`` once its
+    node serves it; a new cluster secret is written to ``path``/secret."""
     layout = layout or DEFAULT_LAYOUT
     if os.path.exists(os.path.join(path, VOLUME_FILE)):
         raise VolumeError(f"{path} already holds a bmfs volume")
     if layout not in LAYOUTS:
         raise VolumeError(f"unknown device layout {layout!r} (one of {', '.join(LAYOUTS)})")
+    if on_nodes and devices:
+        raise VolumeError("a volume on storage nodes starts with no devices: add each with "
+                          "bmfs node add --address once its node serves it")
     if devices and len(devices) < k + m:
         raise VolumeError(f"--ec {k}+{m} needs at least {k + m} devices, {len(devices)} given")
     os.makedirs(path, exist_ok=True)
-    devices = [d if d.startswith("pmem:") else os.path.abspath(d) for d in devices] if devices else \
-        [os.path.join(os.path.abspath(path), f"dev{i}") for i in range(k + m)]
+    if on_nodes:
+        from ..node.protocol import make_secret
+        make_secret(os.path.join(path, "secret"))
+        devices = []
+    else:
+        devices = [d if d.startswith("pmem:") else os.path.abspath(d) for d in devices] \
+            if devices else [os.path.join(os.path.abspath(path), f"dev{i}") for i in range(k + m)]
     if len(set(devices)) != len(devices):
         raise VolumeError("the same device path is given twice")
     settings = VolumeSettings(uuid=str(uuidlib.uuid4()), k=k, m=m,
@@ -95,7 +105,7 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
         await kv.aclose()
     with open(os.path.join(path, VOLUME_FILE) + ".tmp", "w") as f:
         json.dump({"magic": "bmfs-volume", "meta": meta, "uuid": settings.uuid,
-                   **({"secret": "secret"} if nodes else {})}, f)
+                   **({"secret": "secret"} if nodes or on_nodes else {})}, f)
         f.flush()
         os.fsync(f.fileno())
     os.rename(os.path.join(path, VOLUME_FILE) + ".tmp", os.path.join(path, VOLUME_FILE))
@@ -208,7 +218,9 @@ class Volume:
             if settings.uuid != info.get("uuid"):
                 raise VolumeError(f"{path}: {VOLUME_FILE} and the metadata name different volumes")
             records = await device_records(kv)
-            if any(rec.get("node", "local") != "local" for rec in records.values()):
+            # (a volume made for storage nodes names its secret before it has devices)
+            if "secret" in info or any(rec.get("node", "local") != "local"
+                                       for rec in records.values()):
                 transport = _tcp_transport(path, info, records)
             else:
                 transport = _local_transport(settings, records)

@@ -115,6 +115,11 @@ class Unit:
         assert "READY=1" in msg.splitlines(), msg
         assert self.proc.poll() is None
 
+    def journal(self) -> str:
+        """What the service wrote to stdout and stderr (systemd's journal)."""
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
     def stop(self, timeout: float = 60.0) -> int:
         """ExecStop, then SIGTERM if still running; the main process's exit status."""
         if self.proc is None:
@@ -198,6 +203,7 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
             with pytest.raises(OSError) as e:
                 (mp / "big").write_bytes(os.urandom(8 << 20))
             assert e.value.errno == errno.ENOSPC
+            assert "writes need at least 5 (4+2)" in mount.journal()
             add(4)
             add(5)
             data = os.urandom(40 << 20)

@@ -56,7 +56,8 @@ def translate(fn):
         try:
             return await fn(*args, **kw)
         except FsError as e:
-            if e.errno == errno.EIO:  # the metadata store or devices failed: say why
+            if e.errno in (errno.EIO, errno.ENOSPC):  # the metadata store or devices
+                # failed, or too few devices: say why
                 log.warning("%s: %s", fn.__name__, e)
             raise pyfuse3.FUSEError(e.errno)
         except pyfuse3.FUSEError:

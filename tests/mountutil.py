@@ -53,8 +53,11 @@ class Mounted:
 
     def umount(self):
         if is_mounted(self.mp):
-            res = bmfs("umount", self.mp, check=False, timeout=120)
-            if res.returncode != 0 and is_mounted(self.mp):
+            try:  # (umount waits for the daemon to exit: one that hangs is killed below)
+                ok = bmfs("umount", self.mp, check=False, timeout=120).returncode == 0
+            except subprocess.TimeoutExpired:
+                ok = False
+            if not ok and is_mounted(self.mp):
                 subprocess.run(["fusermount3", "-uz", self.mp])
         if self.pid:
             from bmfs.proc import alive

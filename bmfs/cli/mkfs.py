@@ -43,6 +43,9 @@ def run(args) -> int:
     print(f"created volume {args.volume} ({s.k}+{s.m}, uuid {s.uuid})")
     if args.on_nodes:
         vol = os.path.abspath(args.volume)
+        if not (args.meta or "").startswith("etcd"):
+            print(f"note: the metadata is in SQLite in {vol}: only this machine can mount "
+                  f"the volume (--meta etcd://... for a volume every machine mounts)")
         print(f"cluster secret: {vol}/secret (copy it to every storage node and client)\n"
               f"next, for each device ID (0, 1, ...; {s.k + s.m} or more):\n"
               f"  on its machine: bmfs node serve --format --listen HOST:PORT "

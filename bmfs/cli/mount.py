@@ -90,8 +90,12 @@ def _serve(volume, mp, opts, ready_fd) -> int:
             from ..proc import notify_ready
 
             def up():
-                _raise_read_ahead(mp)
-                notify_ready(f"mounted {volume} at {mp}")
+                try:
+                    _raise_read_ahead(mp)
+                except OSError as e:  # (the mount is up: only the read-ahead is not)
+                    logging.getLogger(__name__).warning("read-ahead of %s: %s", mp, e)
+                finally:
+                    notify_ready(f"mounted {volume} at {mp}")
             threading.Thread(target=up, daemon=True).start()
     try:
         trio.run(serve, volume, mp, opts, ready)
@@ -164,10 +168,16 @@ def run_umount(args) -> int:
     if res.returncode != 0:
         raise UserError(res.stderr.strip() or f"could not unmount {mp}")
     if pid:
+        # the daemon stores what was written before it exits: wait for it (a service
+        # manager's stop timeout bounds this; the daemon ignores SIGTERM meanwhile)
         from ..proc import alive
-        for _ in range(1200):
-            if not alive(pid):
-                break
+        t0 = time.monotonic()
+        said = False
+        while alive(pid):
+            if not said and time.monotonic() - t0 > 10:
+                print(f"bmfs umount: the daemon (pid {pid}) is still storing written data; "
+                      f"waiting", file=sys.stderr)
+                said = True
             time.sleep(0.05)
     return 0
 

@@ -1,4 +1,4 @@
-"""bmfs node serve|format|drain|remove|undrain|add"""
+"""bmfs node serve|format|drain|remove|undrain|add|set-address"""
 from __future__ import annotations
 
 import os
@@ -46,6 +46,12 @@ def add_parser(sub):
     u.add_argument("device", type=int, help="device id (see bmfs status)")
     _target_options(u)
     u.set_defaults(func=lambda a: run_op(a, "undrain", device=a.device))
+    r = ns.add_parser("set-address", help="reach a device at the node's new address "
+                                          "(the node serving it moved)")
+    r.add_argument("device", type=int, help="device id (see bmfs status)")
+    r.add_argument("address", metavar="HOST:PORT")
+    _target_options(r)
+    r.set_defaults(func=lambda a: run_op(a, "set_address", device=a.device, address=a.address))
     a = ns.add_parser("add", help="add a device to a volume (new stripes use it)")
     a.add_argument("path", help="the device directory (pmem:PATH for a pool file); on a "
                                 "storage node, its path there")
@@ -132,11 +138,14 @@ def _format_new(devices: dict[int, str], uuid: str, layout: str) -> list:
     yet); formatted ones are left as they are (serving checks they are this volume's).
     Returns (device, path, whether formatted now) for each."""
     from ..errors import VolumeError
-    from ..store.pmem import format_if_new
+    from ..store.pmem import format_if_new, open_store
     out = []
     for dev, path in devices.items():
         try:
-            out.append((dev, path, format_if_new(path, uuid, dev, layout)))
+            made = format_if_new(path, uuid, dev, layout)
+            if not made:  # formatted already: as this volume's device ``dev``?
+                open_store(path, uuid, dev)
+            out.append((dev, path, made))
         except (VolumeError, OSError) as e:
             raise UserError(f"cannot format {path}: {e}")
     return out

@@ -87,8 +87,11 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                 nursery.cancel_scope.cancel()
         finally:
             pyfuse3.close(unmount=True)
-            await fs.aclose()
-            await gc.end_session(volume)
+            # what was written is stored now: a SIGTERM (a service manager stopping it
+            # once unmounted) must not cut that short, so signals are held meanwhile
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                await fs.aclose()
+                await gc.end_session(volume)
             _remove_pid(pidfiles)
     finally:
         await volume.aclose()

@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import stat
+import time
 
 import pyfuse3
 import trio
@@ -50,15 +51,29 @@ _SETATTR = (("update_mode", "mode", "st_mode"), ("update_uid", "uid", "st_uid"),
             ("update_ctime", "ctime_ns", "st_ctime_ns"))
 
 
+_nospace_logged = {}  # message -> when it was last logged (time.monotonic)
+
+
+def _log_nospace(op: str, e: Exception, every: float = 10.0) -> None:
+    now = time.monotonic()
+    what = f"{op}: {e}"
+    if now - _nospace_logged.get(what, -every) >= every:
+        if len(_nospace_logged) > 100:
+            _nospace_logged.clear()
+        _nospace_logged[what] = now
+        log.warning("%s", what)
+
+
 def translate(fn):
     @functools.wraps(fn)
     async def wrapper(*args, **kw):
         try:
             return await fn(*args, **kw)
         except FsError as e:
-            if e.errno in (errno.EIO, errno.ENOSPC):  # the metadata store or devices
-                # failed, or too few devices: say why
+            if e.errno == errno.EIO:  # the metadata store or devices failed: say why
                 log.warning("%s: %s", fn.__name__, e)
+            elif e.errno == errno.ENOSPC:  # too few devices, or full: say why (once a
+                _log_nospace(fn.__name__, e)  # while: a writer may retry and retry)
             raise pyfuse3.FUSEError(e.errno)
         except pyfuse3.FUSEError:
             raise

@@ -90,17 +90,30 @@ class TcpTransport:
         self.stores = {dev: addr for dev, addr in devices.items()}  # for status
 
     def add_device(self, dev: int, address: str) -> None:
-        """Reach device ``dev`` at the node at ``address`` from now on."""
+        """Reach device ``dev`` at the node at ``address`` from now on (a device known
+        already: its node moved there)."""
         node = self.nodes.get(address)
         if node is None:
             node = self.nodes[address] = _Node(address)
+        old = self.device_node.get(dev)
         self.device_node[dev] = node
         self.stores[dev] = address
+        self._drop_unused(old)
 
     def forget_device(self, dev: int) -> None:
         """Reach ``dev`` no more (removed from the volume, or never answered)."""
-        self.device_node.pop(dev, None)
+        self._drop_unused(self.device_node.pop(dev, None))
         self.stores.pop(dev, None)
+
+    def _drop_unused(self, node: _Node | None) -> None:
+        """Close the idle connections of ``node`` and forget it if no device is on it."""
+        if node is None or any(n is node for n in self.device_node.values()):
+            return
+        for c in node.idle:
+            c.close()
+        node.idle.clear()
+        if self.nodes.get(node.address) is node:
+            del self.nodes[node.address]
 
     def is_up(self, dev: int) -> bool:
         node = self.device_node.get(dev)

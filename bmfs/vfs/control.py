@@ -114,7 +114,8 @@ class Control:
         if op == "devices":  # every device record, removed ones too
             from .volume import device_records
             return {str(dev): rec for dev, rec in (await device_records(self.kv)).items()}
-        if op in ("repair", "scrub", "rebalance", "drain", "undrain", "add_device"):
+        if op in ("repair", "scrub", "rebalance", "drain", "undrain", "add_device",
+                  "set_address"):
             from . import repair
             args = {k: v for k, v in req.items() if k != "op"}
             return await getattr(repair, op)(self.fs.volume, **args)

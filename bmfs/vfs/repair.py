@@ -415,7 +415,7 @@ async def _wait_for_mounts(volume, seq: int, timeout: float = MOUNTS_TIMEOUT) ->
 
 async def set_device(volume, device: int, check=None, **changes) -> dict:
     """Change device ``device``'s record (``draining``/``removed``: True sets, False
-    clears) in a transaction, which first calls ``check(records)`` with every device
+    clears; other values are set as given) in a transaction, which first calls ``check(records)`` with every device
     record as it would be (it raises to refuse: two drains at once cannot both pass
     it, as each reads the other's record), then take the records up
     (Volume.refresh_devices): new stripes go to the devices in service from the next
@@ -425,11 +425,11 @@ async def set_device(volume, device: int, check=None, **changes) -> dict:
         rec = records.get(device)
         if rec is None:
             raise NotFound(f"no device {device}")
-        for key, on in changes.items():
-            if on:
-                rec[key] = True
-            else:
+        for key, value in changes.items():
+            if value is False:
                 rec.pop(key, None)
+            else:
+                rec[key] = value
         # the records' change number: each mount publishes the one it has taken up
         # (session.confirm_devices), for drain to wait for (_wait_for_mounts)
         rec["seq"] = max(r.get("seq", 0) for r in records.values()) + 1
@@ -501,20 +501,8 @@ async def add_device(volume, path: str, address: str | None = None, device: int 
         except (VolumeError, OSError) as e:
             raise Invalid(f"cannot use {path} as device {device}: {e}") from e
     else:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise Invalid(f"a node address is HOST:PORT, not {address!r}")
+        await _check_node(volume, address, device)
         volume.transport.add_device(device, address)
-        try:
-            with trio.fail_after(5):
-                await volume.transport.stat(device)
-        except BaseException as e:
-            volume.transport.forget_device(device)
-            if isinstance(e, (DeviceError, OSError, trio.TooSlowError)):
-                raise Invalid(f"the node at {address} does not serve device {device} ({e}); "
-                              f"start it with: bmfs node serve --format --device "
-                              f"{device}=PATH ...") from e
-            raise
 
     async def fn(txn):
         if await txn.get(keys.device(device)) is not None:
@@ -524,6 +512,44 @@ async def add_device(volume, path: str, address: str | None = None, device: int 
     await volume.refresh_devices()
     return {"device": device, "path": path, "node": rec["node"],
             "devices_in_service": len(volume.data.devices)}
+
+
+async def _check_node(volume, address: str, device: int) -> None:
+    """Invalid unless ``address`` is HOST:PORT and the node there serves ``device``
+    (asked through a transport of its own: the volume's is left as it is)."""
+    from ..transport.tcp import TcpTransport
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise Invalid(f"a node address is HOST:PORT, not {address!r}")
+    probe = TcpTransport({device: address}, volume.transport.secret)
+    try:
+        with trio.fail_after(5):
+            await probe.stat(device)
+    except (DeviceError, OSError, trio.TooSlowError) as e:
+        raise Invalid(f"the node at {address} does not serve device {device} ({e}); "
+                      f"start it with: bmfs node serve --device {device}=PATH ... (a new "
+                      f"directory formatted first: --format, or bmfs node format)") from e
+    finally:
+        await probe.aclose()
+
+
+async def set_address(volume, device: int, address: str, progress=None) -> dict:
+    """Reach device ``device`` at the node at ``address`` from now on: its node came
+    back on another address (a new IP, another port). The node there must serve the
+    device (it checks the directory is this volume's device ``device``). Every mount
+    takes the change up as drain's marks are (its watch, or its upkeep round)."""
+    rec = (await device_records(volume.kv)).get(device)
+    if rec is None:
+        raise NotFound(f"no device {device}")
+    if rec.get("removed"):
+        raise Invalid(f"device {device} was removed")
+    if not volume.on_nodes:
+        raise Invalid("this volume's devices are directories of this machine: no node "
+                      "address")
+    old = rec["node"]
+    await _check_node(volume, address, device)
+    await set_device(volume, device, node=address)
+    return {"device": device, "was": old, "node": address}
 
 
 def _prepare_local(uuid: str, records: dict, path: str, device: int, layout: str) -> None:

@@ -55,7 +55,8 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
     ``layout``: how device directories keep fragments (store/pmem.py LAYOUTS; default
     DEFAULT_LAYOUT). ``on_nodes``: a volume whose devices will be storage nodes' (on
     other machines), none yet: each is added with ``bmfs node add --address`` once its
-    node serves it; a new cluster secret is written to ``path``/secret."""
+    node serves it; a new cluster secret is written to ``path``/secret (unless one is
+    there)."""
     layout = layout or DEFAULT_LAYOUT
     if os.path.exists(os.path.join(path, VOLUME_FILE)):
         raise VolumeError(f"{path} already holds a bmfs volume")
@@ -68,8 +69,6 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
         raise VolumeError(f"--ec {k}+{m} needs at least {k + m} devices, {len(devices)} given")
     os.makedirs(path, exist_ok=True)
     if on_nodes:
-        from ..node.protocol import make_secret
-        make_secret(os.path.join(path, "secret"))
         devices = []
     else:
         devices = [d if d.startswith("pmem:") else os.path.abspath(d) for d in devices] \
@@ -83,6 +82,9 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
     try:
         if await kv.get(keys.SETTINGS) is not None:
             raise VolumeError(f"the metadata at {meta} already holds a volume")
+        if on_nodes:  # (a secret left in the directory by an earlier attempt is kept)
+            from ..node.protocol import make_secret
+            make_secret(os.path.join(path, "secret"))
         for i, d in enumerate(devices):
             format_store(d, settings.uuid, i, layout)
         txn = kv.begin()
@@ -250,6 +252,9 @@ class Volume:
                 self.transport.forget_device(dev)
                 continue
             if dev in self.device_paths:
+                if self.on_nodes and self.transport.stores.get(dev) != rec["node"]:
+                    # its node moved (bmfs node set-address): reach it there from now on
+                    self.transport.add_device(dev, rec["node"])
                 continue
             if self.on_nodes:
                 self.transport.add_device(dev, rec["node"])

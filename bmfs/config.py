@@ -63,3 +63,16 @@ def parse_ec(text: str) -> tuple[int, int]:
     if m == 0:
         raise ValueError(f"--ec {text}: M must be at least 1 (use K+1 or more for redundancy)")
     return k, m
+
+
+def parse_rate(text: str) -> int:
+    """Bytes a second from ``text``: a number with an optional K, M, G or T (powers of
+    1024), e.g. 50M. For argparse (``type=``): a bad one is a usage error."""
+    import argparse
+    import re
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(?:i?b)?(?:/s)?", text.strip().lower())
+    rate = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ") if m else 0
+    if rate < 1:
+        raise argparse.ArgumentTypeError(
+            f"a rate is bytes a second, such as 50M (K, M, G, T: powers of 1024), not {text!r}")
+    return int(rate)

@@ -225,8 +225,8 @@ def _devices(mp):
 
 def test_cluster_add_makes_room_to_drain_and_undrain(cluster, tmp_path):
     """On a mounted 6-node 4+2 cluster, `bmfs cluster add` starts a seventh node and
-    adds its device: `bmfs rebalance` moves older fragments onto it, new stripes use
-    it, and device 3, which could not be drained
+    adds its device: `bmfs rebalance --limit 2M` moves older fragments onto it (taking
+    at least the time its limit allows for the bytes it reports), new stripes use it, and device 3, which could not be drained
     before, now can: with its node killed the files are exact and no read decodes.
     Restarted and undrained, it takes new stripes again."""
     mp = tmp_path / "mnt"
@@ -240,9 +240,14 @@ def test_cluster_add_makes_room_to_drain_and_undrain(cluster, tmp_path):
         devs = _devices(mp)
         assert sorted(devs) == list(range(7)) and devs[6]["fragments"] == 0
         assert devs[6]["health"] == "ok" and devs[6]["state"] == "in"
-        r = json.loads(bmfs("rebalance", mp, "--json").stdout)
+        limit = 2 << 20  # bytes a second: each fragment moved is read and written
+        t0 = time.monotonic()
+        r = json.loads(bmfs("rebalance", mp, "--json", "--limit", "2M").stdout)
+        took = time.monotonic() - t0
         moved = _devices(mp)[6]["fragments"]  # ~1/7 of the fragments written before
         assert moved == r["fragments_moved"] > 0 and r["fragments_failed"] == 0, r
+        assert r["bytes_moved"] >= moved * 4096
+        assert took >= 2 * r["bytes_moved"] / limit, (took, r)
         digests.update({f"b/{k}": v for k, v in
                         _write_varied(mp / "b", 24 << 20, seed=2).items()})
         assert _devices(mp)[6]["fragments"] > moved  # new stripes use it

@@ -7,7 +7,7 @@ import trio
 
 from ..store.pmem import LAYOUTS
 from .main import UserError
-from .repair import run_op
+from .repair import limit_option, run_op
 
 
 def add_parser(sub):
@@ -41,6 +41,7 @@ def add_parser(sub):
         d = ns.add_parser(action, help=helptext)
         d.add_argument("device", type=int, help="device id (see bmfs status)")
         _target_options(d)
+        limit_option(d)
         d.set_defaults(func=run_drain, remove=action == "remove")
     u = ns.add_parser("undrain", help="put a drained device back in service")
     u.add_argument("device", type=int, help="device id (see bmfs status)")
@@ -152,4 +153,4 @@ def _format_new(devices: dict[int, str], uuid: str, layout: str) -> list:
 
 
 def run_drain(args) -> int:
-    return run_op(args, "drain", device=args.device, remove=args.remove)
+    return run_op(args, "drain", device=args.device, remove=args.remove, limit=args.limit)

@@ -20,7 +20,15 @@ def add_parser(sub):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("target", help="a volume directory or a mount point")
         p.add_argument("--json", action="store_true")
-        p.set_defaults(func=lambda a, op=name: run_op(a, op))
+        limit_option(p)
+        p.set_defaults(func=lambda a, op=name: run_op(a, op, limit=a.limit))
+
+
+def limit_option(p) -> None:
+    from ..config import parse_rate
+    p.add_argument("--limit", type=parse_rate, metavar="RATE",
+                   help="device traffic at most RATE bytes a second on average (reads "
+                        "and writes; K, M, G: powers of 1024, e.g. 50M); default: no limit")
 
 
 def _mount_of(target: str | None):

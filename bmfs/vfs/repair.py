@@ -185,12 +185,36 @@ async def _commit_moves(volume, sid: int, moved: dict[int, int], devices: list[i
     return len(applied)
 
 
-async def repair(volume, avoid: set[int] | None = None, progress=None) -> dict:
+class _Pace:
+    """Keeps an operation's device traffic (bytes read and written on devices) at or
+    under ``limit`` bytes a second on average (None: no limit), as HDFS's balancer
+    bandwidth or Ceph's recovery throttles do: after each step, it sleeps until the
+    bytes moved so far are due."""
+
+    def __init__(self, limit: float | None):
+        self.limit = limit
+        self.t0: float | None = None
+        self.done = 0
+
+    async def spent(self, nbytes: int) -> None:
+        if not self.limit or nbytes <= 0:
+            return
+        if self.t0 is None:
+            self.t0 = trio.current_time()
+        self.done += nbytes
+        wait = self.t0 + self.done / self.limit - trio.current_time()
+        if wait > 0:
+            await trio.sleep(wait)
+
+
+async def repair(volume, avoid: set[int] | None = None, progress=None,
+                 limit: float | None = None) -> dict:
+    """``limit``: device traffic in bytes a second (_Pace), None for none."""
     async with _lock(volume):
-        return await _repair(volume, avoid or set(), progress)
+        return await _repair(volume, avoid or set(), progress, _Pace(limit))
 
 
-async def _repair(volume, avoid: set[int], progress) -> dict:
+async def _repair(volume, avoid: set[int], progress, pace) -> dict:
     await volume.record_damage()  # damage seen by reads so far joins the queue first
     # devices that do not answer now (a dead node not tried lately still counts as up
     # in the transport): their fragments are rebuilt elsewhere, as a drained device's
@@ -218,8 +242,10 @@ async def _repair(volume, avoid: set[int], progress) -> dict:
                 fine = await _intact_again(volume, sid, st, bad, avoid)
                 intact += len(fine)
                 bad = [i for i in bad if i not in fine]
-                if bad:
-                    moved += await repair_stripe(volume, sid, st, bad, avoid)
+                rebuilt = await repair_stripe(volume, sid, st, bad, avoid) if bad else 0
+                moved += rebuilt
+                # (read whole: those found intact; rebuilt: k read, each one written)
+                await pace.spent(st.frag_len * (len(fine) + (st.k + rebuilt if rebuilt else 0)))
         except (IOFailure, DeviceError) as e:
             failed += 1
             log.warning("repair of stripe %d failed: %s", sid, e)
@@ -260,7 +286,7 @@ async def _intact_again(volume, sid: int, st: Stripe, bad: list[int], avoid: set
     return fine
 
 
-async def rebalance(volume, progress=None) -> dict:
+async def rebalance(volume, progress=None, limit: float | None = None) -> dict:
     """Move fragments to where placement would put their stripes now: after a device
     was added (or undrained), stripes written before keep their fragments on the old
     devices; this moves each fragment that rendezvous hashing over the devices in
@@ -270,10 +296,11 @@ async def rebalance(volume, progress=None) -> dict:
     switched and the old copy deleted, as repair does. Stripes with a fragment
     missing, corrupt or on a device that is down are left to repair."""
     from ..data.placement import place_available
+    pace = _Pace(limit)
     async with _lock(volume):
         data = volume.data
         stripes = [x async for x in _stripes(volume)]
-        moved = failed = examined = 0
+        moved = failed = examined = nbytes = 0
         for n, (sid, st) in enumerate(stripes, 1):
             if progress:
                 progress(n, len(stripes))
@@ -307,7 +334,10 @@ async def rebalance(volume, progress=None) -> dict:
                         break
                     fresh[i], devices[i] = devices[i], target
                 else:
-                    moved += await _commit_moves(volume, sid, fresh, devices)
+                    done = await _commit_moves(volume, sid, fresh, devices)
+                    moved += done
+                    nbytes += done * st.frag_len
+                    await pace.spent(2 * st.frag_len * len(fresh))  # read, written
                     continue
                 for i in fresh:  # a move failed: the stripe stays as it was
                     try:
@@ -318,11 +348,12 @@ async def rebalance(volume, progress=None) -> dict:
                 volume.data.uncommitted.discard(sid)
         await volume.record_damage()
     return {"stripes": len(stripes), "stripes_rebalanced": examined,
-            "fragments_moved": moved, "fragments_failed": failed}
+            "fragments_moved": moved, "bytes_moved": nbytes, "fragments_failed": failed}
 
 
-async def scrub(volume, progress=None) -> dict:
+async def scrub(volume, progress=None, limit: float | None = None) -> dict:
     bad = 0
+    pace = _Pace(limit)
     stripes = [x async for x in _stripes(volume)]
     for n, (sid, st) in enumerate(stripes, 1):
         for i, dev in enumerate(st.devices):
@@ -332,15 +363,17 @@ async def scrub(volume, progress=None) -> dict:
                 await volume.data._read_fragment(sid, st, i)
             except (DeviceError, fr.CorruptFragment):
                 bad += 1  # _read_fragment queued it through on_damage
+            await pace.spent(st.frag_len)
         if progress:
             progress(n, len(stripes))
     await volume.record_damage()
-    result = await repair(volume)
+    result = await repair(volume, limit=limit)
     return {"fragments_checked": sum(len(st.devices) for _, st in stripes),
             "bad_fragments": bad, **result}
 
 
-async def drain(volume, device: int, remove: bool = False, progress=None) -> dict:
+async def drain(volume, device: int, remove: bool = False, progress=None,
+                limit: float | None = None) -> dict:
     k, m = volume.data.k, volume.data.m
 
     def room(records):
@@ -359,12 +392,12 @@ async def drain(volume, device: int, remove: bool = False, progress=None) -> dic
         waited = await _wait_for_mounts(volume, rec["seq"])
         # and read what they committed: this engine's cached reads may lag behind
         await volume.kv.barrier()
-    result = await repair(volume, avoid={device}, progress=progress)
+    result = await repair(volume, avoid={device}, progress=progress, limit=limit)
     if waited.get("mounts_unconfirmed") and remove:
         # a mount that did not say it took the mark up may have committed stripes on
         # the device since: a second pass before the device is forgotten
         await trio.sleep(OTHER_MOUNTS_SETTLE)
-        again = await repair(volume, avoid={device}, progress=progress)
+        again = await repair(volume, avoid={device}, progress=progress, limit=limit)
         result["fragments_rebuilt"] += again["fragments_rebuilt"]
         result["stripes_failed"] = again["stripes_failed"]
     left = sum(st.devices.count(device) for _, st in [x async for x in _stripes(volume)])

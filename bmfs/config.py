@@ -70,7 +70,7 @@ def parse_rate(text: str) -> int:
     1024), e.g. 50M. For argparse (``type=``): a bad one is a usage error."""
     import argparse
     import re
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(?:i?b)?(?:/s)?", text.strip().lower())
+    m = re.fullmatch(r"(\d{1,15}(?:\.\d{1,6})?)([kmgt]?)(?:i?b)?(?:/s)?", text.strip().lower())
     rate = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ") if m else 0
     if rate < 1:
         raise argparse.ArgumentTypeError(

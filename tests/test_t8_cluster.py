@@ -676,3 +676,27 @@ def test_repair_rebuilds_a_dead_nodes_fragments_unread(tmp_path):
             c7.kill(1, 5)
             _drop_caches()
             _check(mp, digests)
+
+
+def test_a_second_node_on_a_served_device_is_refused(cluster, tmp_path):
+    """`bmfs node serve` on a device another node process serves already (a node
+    started again while the old one still runs) exits with one line, status 2, and
+    leaves the device to the first: a mount still reads and writes through it."""
+    from bmfs.cluster.local import free_ports
+    node0 = cluster.info["nodes"][0]
+    port = free_ports(1)[0]
+    t0 = time.monotonic()
+    r = bmfs("node", "serve", "--listen", f"127.0.0.1:{port}",
+             "--device", f"{node0['device']}={node0['path']}",
+             "--secret-file", f"{cluster.dir}/secret", "--volume-uuid", cluster.info["uuid"],
+             check=False, timeout=60)
+    assert r.returncode == 2 and "served by another process" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and time.monotonic() - t0 < 30
+    assert alive(node0["pid"])
+    mp = tmp_path / "mnt"
+    with Mounted(cluster.dir, mp):
+        data = os.urandom(12 << 20)
+        (mp / "f").write_bytes(data)
+        assert _devices(mp)[0]["fragments"] > 0
+        _drop_caches()
+        assert (mp / "f").read_bytes() == data

@@ -138,10 +138,15 @@ class Unit:
         process's exit status."""
         if self.proc is None:
             return 0
+        failed = []
         for line in self.get("ExecStop"):
             argv, _ = self.command(line)
-            r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-            assert r.returncode == 0, f"{argv}: {r.stderr}"
+            try:
+                r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+                if r.returncode:
+                    failed.append(f"{argv}: {r.stderr}")
+            except subprocess.TimeoutExpired:
+                failed.append(f"{argv}: no exit within {timeout} s")
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -151,6 +156,7 @@ class Unit:
             status = self.proc.wait()
         self.proc = None
         self.log.close()
+        assert not failed, failed
         return status
 
 
@@ -171,7 +177,7 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
     file survives two nodes killed -9, the nodes are listed through their leased
     membership records, a node that comes back on another port is reached again once
     `bmfs node set-address` says where (and not at a node that does not serve the
-    device), and stopping the units unmounts and ends every process."""
+    device, or serves another volume's), keeping its failure domain, and stopping the units unmounts and ends every process."""
     root = tmp_path
     etc = root / "etc" / "bmfs"
     etc.mkdir(parents=True)
@@ -262,10 +268,36 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
             assert e.value.errno == errno.EIO
             r = bmfs("node", "set-address", 2, f"127.0.0.1:{ports[0]}", "-m", mp, check=False)
             assert r.returncode == 2 and "does not serve device 2" in r.stderr, r.stderr
+            # a node with the secret serving a device 2 of another volume is refused too
+            other_port, other = free_ports(1)[0], root / "other-volume-dev2"
+            foreign = "11111111-2222-3333-4444-555555555555"
+            bmfs("node", "format", "--device", f"2={other}", "--volume-uuid", foreign)
+            log = open(root / "foreign.log", "wb")
+            proc = subprocess.Popen(
+                [BMFS_BIN, "node", "serve", "--listen", f"127.0.0.1:{other_port}", "--device",
+                 f"2={other}", "--secret-file", etc / "volume" / "secret",
+                 "--volume-uuid", foreign], stdout=log, stderr=log)
+            try:
+                deadline = time.monotonic() + 20
+                while True:
+                    r = bmfs("node", "set-address", 2, f"127.0.0.1:{other_port}", "-m", mp,
+                             check=False)
+                    if "does not serve" not in r.stderr or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)  # (not listening yet)
+                assert r.returncode == 2 and "of another volume" in r.stderr, r.stderr
+            finally:
+                proc.kill()
+                proc.wait()
+                log.close()
             bmfs("node", "set-address", 2, f"127.0.0.1:{port}", "-m", mp)
             _drop_caches()
             assert (mp / "big").read_bytes() == data
-            assert f"127.0.0.1:{port}" in bmfs("status", mp).stdout
+            dev2 = [d for d in json.loads(bmfs("status", mp, "--json").stdout)["devices"]
+                    if d["id"] == 2][0]
+            # the node moved; its failure domain (its old address by default) did not
+            assert dev2["node"] == f"127.0.0.1:{port}"
+            assert dev2["domain"] == f"127.0.0.1:{ports[2]}"
             # the daemon dies: starting the unit again detaches the dead mount first
             os.kill(mount.proc.pid, signal.SIGKILL)
             mount.proc.wait()

@@ -169,17 +169,31 @@ def run_umount(args) -> int:
         raise UserError(res.stderr.strip() or f"could not unmount {mp}")
     if pid:
         # the daemon stores what was written before it exits: wait for it (a service
-        # manager's stop timeout bounds this; the daemon ignores SIGTERM meanwhile)
+        # manager's stop timeout bounds this; the daemon ignores SIGTERM meanwhile).
+        # A pid file a killed daemon left names some other process by now, perhaps:
+        # only a process whose command line names this mount point is waited for.
         from ..proc import alive
         t0 = time.monotonic()
         said = False
-        while alive(pid):
+        while alive(pid) and _serves(pid, mp):
             if not said and time.monotonic() - t0 > 10:
                 print(f"bmfs umount: the daemon (pid {pid}) is still storing written data; "
                       f"waiting", file=sys.stderr)
                 said = True
             time.sleep(0.05)
     return 0
+
+
+def _serves(pid: int, mp: str) -> bool:
+    """Whether process ``pid`` is a mount daemon of ``mp`` (by its command line)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = [a.decode(errors="replace") for a in f.read().split(b"\0")]
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
+    return "mount" in args and any(os.path.normpath(os.path.join(cwd, a)) == mp
+                                   for a in args if a)
 
 
 def run_helper(args) -> int:

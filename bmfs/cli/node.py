@@ -139,13 +139,13 @@ def _format_new(devices: dict[int, str], uuid: str, layout: str) -> list:
     yet); formatted ones are left as they are (serving checks they are this volume's).
     Returns (device, path, whether formatted now) for each."""
     from ..errors import VolumeError
-    from ..store.pmem import format_if_new, open_store
+    from ..store.pmem import format_if_new, marker_matches
     out = []
     for dev, path in devices.items():
         try:
             made = format_if_new(path, uuid, dev, layout)
             if not made:  # formatted already: as this volume's device ``dev``?
-                open_store(path, uuid, dev)
+                marker_matches(path, uuid, dev)
             out.append((dev, path, made))
         except (VolumeError, OSError) as e:
             raise UserError(f"cannot format {path}: {e}")

@@ -44,6 +44,7 @@ def pid_file(volume_path: str, mountpoint: str) -> str:
 async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=None) -> None:
     """Mount and serve until unmounted. ``ready(error_or_None)`` is called once."""
     volume = await Volume.open(volume_path)
+    held = None  # signal handlers while the last of the data is stored
     try:
         swept = await gc.begin_session(volume)  # single owner: sweep after a crash
         if swept:
@@ -87,14 +88,27 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                 nursery.cancel_scope.cancel()
         finally:
             pyfuse3.close(unmount=True)
-            # what was written is stored now: a SIGTERM (a service manager stopping it
-            # once unmounted) must not cut that short, so signals are held meanwhile
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                await fs.aclose()
-                await gc.end_session(volume)
+            # what was written is stored now, and the write-behind metadata by
+            # volume.aclose: a SIGTERM (a service manager stopping it once unmounted)
+            # must not cut that short, so these signals are ignored until the end
+            held = _ignore_signals()
+            await fs.aclose()
+            await gc.end_session(volume)
             _remove_pid(pidfiles)
     finally:
         await volume.aclose()
+        for sig, handler in (held or {}).items():
+            signal.signal(sig, handler)
+
+
+def _ignore_signals() -> dict:
+    """Ignore SIGTERM, SIGINT and SIGHUP; their handlers before (to put back). In
+    the main thread only (signal handlers live there): elsewhere, nothing."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, signal.SIG_IGN)
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
 
 
 def _watch_requests(transport) -> None:

@@ -28,7 +28,7 @@ import time
 import trio
 
 from ..lru import LRU
-from ..store.pmem import open_store
+from ..store.pmem import lock_device, open_store
 from ..wire import node_pb2 as pb
 from .protocol import (ALIGNED, BlockingConnection, Connection, FileRange, ProtocolError,
                        server_handshake)
@@ -92,6 +92,7 @@ class NodeServer:
         self.secret = secret
         self.stores = stores
         self.read_delay = read_delay
+        self.volume_uuid = None  # told to clients in STAT replies (run_node sets it)
         self.connections = trio.CapacityLimiter(MAX_CONNECTIONS)
         self.stats = {"connections": 0, "rejected": 0, "requests": 0, "errors": 0,
                       "fragments_read_whole": 0}
@@ -313,6 +314,8 @@ class NodeServer:
         if op == Req.STAT:
             info = store.usage()
             info["stats"] = dict(self.stats)
+            if self.volume_uuid:  # (for a client to check it is this volume's device)
+                info["volume"] = self.volume_uuid
             return pb.Response(info_json=json.dumps(info)), ()
         raise ValueError(f"unknown operation {op}")
 
@@ -320,13 +323,22 @@ class NodeServer:
 async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict[int, str],
                    volume_uuid: str, ready=None, read_delay: float = 0.0,
                    meta: str | None = None) -> None:
-    stores = {dev: open_store(path, volume_uuid, dev) for dev, path in devices.items()}
-    server = NodeServer(name, secret, stores, read_delay=read_delay)
-    kv = None
-    if meta:
-        from ..kv import open_kv
-        kv = await open_kv(meta)
+    locks = []
     try:
+        for path in devices.values():
+            locks.append(await trio.to_thread.run_sync(lock_device, path))
+        stores = {dev: open_store(path, volume_uuid, dev) for dev, path in devices.items()}
+    except BaseException:
+        for fd in locks:
+            os.close(fd)
+        raise
+    server = NodeServer(name, secret, stores, read_delay=read_delay)
+    server.volume_uuid = volume_uuid
+    kv = None
+    try:
+        if meta:
+            from ..kv import open_kv
+            kv = await open_kv(meta)
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(server.serve, host, port)
             if kv is not None and hasattr(kv, "grant_lease"):
@@ -338,6 +350,8 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
         server.close()
         if kv is not None:
             await kv.aclose()
+        for fd in locks:
+            os.close(fd)
 
 
 __all__ = ["NodeServer", "run_node"]

@@ -266,6 +266,51 @@ def open_store(path: str, volume_uuid: str, dev: int):
     return FileStore(path, volume_uuid, dev)
 
 
+def marker_matches(path: str, volume_uuid: str, dev: int) -> None:
+    """VolumeError unless the device directory ``path`` is formatted as device ``dev``
+    of volume ``volume_uuid`` (its DEVICE marker read; the store is not opened, which
+    for a pool would load and settle its index under a node that serves it). A pmem
+    pool file is checked when it is opened to be served."""
+    if path.startswith("pmem:"):
+        return
+    import json
+    try:
+        with open(os.path.join(path, "DEVICE")) as f:
+            info = json.load(f)
+    except (OSError, ValueError) as e:
+        raise VolumeError(f"{path}: unreadable DEVICE marker: {e}")
+    if info.get("volume") != volume_uuid or info.get("device") != dev:
+        raise VolumeError(f"{path} is device {info.get('device')} of volume "
+                          f"{info.get('volume')}, not device {dev} of {volume_uuid}")
+
+
+def lock_device(path: str, wait: float = 5.0) -> int:
+    """Hold device ``path`` for this process (an exclusive flock on its directory, or
+    on a pmem pool's file) and return the descriptor, kept open for as long as the
+    device is served: two storage nodes serving one device would each write it
+    without the other (a pool's allocations, fragments both think are theirs).
+    A holder that is still exiting gets ``wait`` seconds to let go; then
+    VolumeError."""
+    import fcntl
+    import time
+    target = path[5:].partition(":")[0] if path.startswith("pmem:") else path
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise VolumeError(f"{path}: {e.strerror}")
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise VolumeError(f"{path} is served by another process already (it holds "
+                                  f"the device's lock): stop that one first")
+            time.sleep(0.1)
+
+
 def format_if_new(path: str, volume_uuid: str, dev: int, layout: str = "files") -> bool:
     """Format ``path`` (format_store) if it is a new or empty directory, or a pmem pool
     file not made yet; False if it is formatted already (opening it checks whose it

@@ -241,14 +241,15 @@ async def _repair(volume, avoid: set[int], progress, pace) -> dict:
                 st = Stripe.unpack(raw)
                 fine = await _intact_again(volume, sid, st, bad, avoid)
                 intact += len(fine)
-                bad = [i for i in bad if i not in fine]
-                rebuilt = await repair_stripe(volume, sid, st, bad, avoid) if bad else 0
-                moved += rebuilt
-                # (read whole: those found intact; rebuilt: k read, each one written)
-                await pace.spent(st.frag_len * (len(fine) + (st.k + rebuilt if rebuilt else 0)))
+                rest = [i for i in bad if i not in fine]
+                if rest:
+                    moved += await repair_stripe(volume, sid, st, rest, avoid)
         except (IOFailure, DeviceError) as e:
             failed += 1
             log.warning("repair of stripe %d failed: %s", sid, e)
+        # what it may have cost, failed or not: each queued fragment read whole (found
+        # intact) or written (rebuilt), and k fragments read to rebuild
+        await pace.spent(st.frag_len * (st.k + len(bad)))
         if progress:
             progress(n, len(todo))
     swept = 0
@@ -319,6 +320,7 @@ async def rebalance(volume, progress=None, limit: float | None = None) -> dict:
                     not all(volume.transport.is_up(d) for d in st.devices):
                 continue
             examined += 1
+            await pace.spent(2 * st.frag_len * len(off))  # each read, then written
             devices, fresh = list(st.devices), {}
             volume.data.uncommitted.add(sid)  # copies not in the record yet: not leaks
             try:
@@ -337,7 +339,6 @@ async def rebalance(volume, progress=None, limit: float | None = None) -> dict:
                     done = await _commit_moves(volume, sid, fresh, devices)
                     moved += done
                     nbytes += done * st.frag_len
-                    await pace.spent(2 * st.frag_len * len(fresh))  # read, written
                     continue
                 for i in fresh:  # a move failed: the stripe stays as it was
                     try:
@@ -557,13 +558,17 @@ async def _check_node(volume, address: str, device: int) -> None:
     probe = TcpTransport({device: address}, volume.transport.secret)
     try:
         with trio.fail_after(5):
-            await probe.stat(device)
+            info = await probe.stat(device)
     except (DeviceError, OSError, trio.TooSlowError) as e:
         raise Invalid(f"the node at {address} does not serve device {device} ({e}); "
                       f"start it with: bmfs node serve --device {device}=PATH ... (a new "
                       f"directory formatted first: --format, or bmfs node format)") from e
     finally:
         await probe.aclose()
+    if info.get("volume", volume.settings.uuid) != volume.settings.uuid:  # (older nodes
+        # do not say: they check the directory against their own --volume-uuid only)
+        raise Invalid(f"the node at {address} serves device {device} of another volume "
+                      f"({info['volume']})")
 
 
 async def set_address(volume, device: int, address: str, progress=None) -> dict:
@@ -581,7 +586,10 @@ async def set_address(volume, device: int, address: str, progress=None) -> dict:
                       "address")
     old = rec["node"]
     await _check_node(volume, address, device)
-    await set_device(volume, device, node=address)
+    # a device's failure domain defaults to its node's address: kept as it was, so that
+    # devices of one node moved one by one (or named by IP here, by DNS name there)
+    # stay one domain for placement and repair
+    await set_device(volume, device, node=address, domain=rec.get("domain") or old)
     return {"device": device, "was": old, "node": address}
 
 

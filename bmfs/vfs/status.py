@@ -26,6 +26,7 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
         nodes = getattr(volume.transport, "device_node", None)
         rec = {"id": dev, "path": path, "fragments": counts.get(dev, 0),
                "node": nodes[dev].address if nodes else "local",
+               "domain": volume.data.domains.get(dev, dev),  # (placement's)
                "state": "in" if dev in volume.data.devices else
                         "drained" if not counts.get(dev) else "draining"}
         if isinstance(u, Exception) or u is None:

@@ -160,6 +160,12 @@ class Unit:
         return status
 
 
+def _device(mp, dev) -> dict:
+    """Device ``dev`` as `bmfs status --json` shows it."""
+    devices = json.loads(bmfs("status", mp, "--json").stdout)["devices"]
+    return [d for d in devices if d["id"] == dev][0]
+
+
 def _drop_caches():
     subprocess.run(["sync"])
     with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -175,9 +181,10 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
     all six are added, the mount from bmfs-mount.service (which raised the mount's
     read-ahead, as a detached mount does) and a second mount share one namespace, a
     file survives two nodes killed -9, the nodes are listed through their leased
-    membership records, a node that comes back on another port is reached again once
-    `bmfs node set-address` says where (and not at a node that does not serve the
-    device, or serves another volume's), keeping its failure domain, and stopping the units unmounts and ends every process."""
+    membership records, a node that comes back on another port is reached there: at
+    once when it announces its address (--meta), else once `bmfs node set-address`
+    says where (and not at a node that does not serve the device, or serves another
+    volume's), the device keeping its failure domain either way; and stopping the units unmounts and ends every process."""
     root = tmp_path
     etc = root / "etc" / "bmfs"
     etc.mkdir(parents=True)
@@ -254,33 +261,52 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
                 os.kill(unit.proc.pid, signal.SIGKILL)
             _drop_caches()
             assert (mp / "big").read_bytes() == data
-            # node n2 comes back on another port: its device is not found there (with
-            # 1 and 4 dead, reads fail) until its address is set
+            # node n2 comes back on another port: with --meta it announces the address
+            # for its device, and the mount takes it up through its watch
             nodes[2].stop(timeout=20)
-            port = free_ports(1)[0]
+            new2 = free_ports(1)[0]
             env_file = etc / "node-n2.env"
-            env_file.write_text(env_file.read_text().replace(f":{ports[2]}", f":{port}"))
+            env_file.write_text(env_file.read_text().replace(f":{ports[2]}", f":{new2}"))
             nodes[2] = Unit("bmfs-node@.service", root, instance="n2")
             nodes[2].start()
+            deadline = time.monotonic() + 15
+            while _device(mp, 2)["node"] != f"127.0.0.1:{new2}":
+                assert time.monotonic() < deadline, _device(mp, 2)
+                time.sleep(0.2)
+            _drop_caches()
+            assert (mp / "big").read_bytes() == data
+            # its failure domain (its old address by default) stays what it was
+            assert _device(mp, 2)["domain"] == f"127.0.0.1:{ports[2]}"
+            # node n3 comes back on another port without --meta: nothing announces it,
+            # so with 1 and 4 dead reads fail, until set-address says where it is
+            nodes[3].stop(timeout=20)
+            new3 = free_ports(1)[0]
+            env_file = etc / "node-n3.env"
+            env_file.write_text(env_file.read_text().replace(f":{ports[3]}", f":{new3}")
+                                .replace(f"BMFS_NODE_OPTS=--meta {etcd_cluster.url}",
+                                         "BMFS_NODE_OPTS="))
+            nodes[3] = Unit("bmfs-node@.service", root, instance="n3")
+            nodes[3].start()
             _drop_caches()
             with pytest.raises(OSError) as e:
                 (mp / "big").read_bytes()
             assert e.value.errno == errno.EIO
-            r = bmfs("node", "set-address", 2, f"127.0.0.1:{ports[0]}", "-m", mp, check=False)
-            assert r.returncode == 2 and "does not serve device 2" in r.stderr, r.stderr
-            # a node with the secret serving a device 2 of another volume is refused too
-            other_port, other = free_ports(1)[0], root / "other-volume-dev2"
+            r = bmfs("node", "set-address", 3, f"127.0.0.1:{ports[0]}", "-m", mp, check=False)
+            assert r.returncode == 2 and "does not serve device 3" in r.stderr, r.stderr
+            # a node with the secret serving a device 3 of another volume is refused too
+            other_port, other = free_ports(1)[0], root / "other-volume-dev3"
             foreign = "11111111-2222-3333-4444-555555555555"
-            bmfs("node", "format", "--device", f"2={other}", "--volume-uuid", foreign)
+            bmfs("node", "format", "--device", f"3={other}", "--volume-uuid", foreign)
             log = open(root / "foreign.log", "wb")
             proc = subprocess.Popen(
                 [BMFS_BIN, "node", "serve", "--listen", f"127.0.0.1:{other_port}", "--device",
-                 f"2={other}", "--secret-file", etc / "volume" / "secret",
-                 "--volume-uuid", foreign], stdout=log, stderr=log)
+                 f"3={other}", "--secret-file", etc / "volume" / "secret",
+                 "--volume-uuid", foreign, "--meta", etcd_cluster.url],
+                stdout=log, stderr=log)
             try:
                 deadline = time.monotonic() + 20
                 while True:
-                    r = bmfs("node", "set-address", 2, f"127.0.0.1:{other_port}", "-m", mp,
+                    r = bmfs("node", "set-address", 3, f"127.0.0.1:{other_port}", "-m", mp,
                              check=False)
                     if "does not serve" not in r.stderr or time.monotonic() > deadline:
                         break
@@ -290,14 +316,14 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
                 proc.kill()
                 proc.wait()
                 log.close()
-            bmfs("node", "set-address", 2, f"127.0.0.1:{port}", "-m", mp)
+            # (nor did that node announce itself: the metadata is another volume's)
+            assert "not announced" in (root / "foreign.log").read_text()
+            assert _device(mp, 3)["node"] == f"127.0.0.1:{ports[3]}"
+            bmfs("node", "set-address", 3, f"127.0.0.1:{new3}", "-m", mp)
             _drop_caches()
             assert (mp / "big").read_bytes() == data
-            dev2 = [d for d in json.loads(bmfs("status", mp, "--json").stdout)["devices"]
-                    if d["id"] == 2][0]
-            # the node moved; its failure domain (its old address by default) did not
-            assert dev2["node"] == f"127.0.0.1:{port}"
-            assert dev2["domain"] == f"127.0.0.1:{ports[2]}"
+            assert _device(mp, 3)["node"] == f"127.0.0.1:{new3}"
+            assert _device(mp, 3)["domain"] == f"127.0.0.1:{ports[3]}"
             # the daemon dies: starting the unit again detaches the dead mount first
             os.kill(mount.proc.pid, signal.SIGKILL)
             mount.proc.wait()

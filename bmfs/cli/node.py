@@ -21,7 +21,11 @@ def add_parser(sub):
     s.add_argument("--secret-file", required=True, help="file holding the cluster secret")
     s.add_argument("--volume-uuid", required=True)
     s.add_argument("--name", default=None)
-    s.add_argument("--meta", help="etcd://... : keep a leased membership record there")
+    s.add_argument("--meta", help="etcd://... : keep a leased membership record there, "
+                                  "and announce the node's address for its devices")
+    s.add_argument("--advertise", metavar="HOST:PORT",
+                   help="the address clients reach this node at, announced with --meta "
+                        "(default: the --listen address, unless it is 0.0.0.0 or ::)")
     s.add_argument("--format", action="store_true",
                    help="format each device directory that is new or empty for the volume "
                         "first (a device to add with bmfs node add --address)")
@@ -95,6 +99,10 @@ def run_serve(args) -> int:
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         raise UserError(f"--listen wants HOST:PORT, not {args.listen!r}")
+    if args.advertise is not None:
+        ahost, _, aport = args.advertise.rpartition(":")
+        if not ahost or not aport.isdigit() or not 0 < int(aport) < 65536:
+            raise UserError(f"--advertise wants HOST:PORT, not {args.advertise!r}")
     devices = _devices(args)
     if args.format:
         _format_new(devices, args.volume_uuid, args.layout)
@@ -111,7 +119,7 @@ def run_serve(args) -> int:
     from ..proc import notify_ready
     trio.run(run_node, args.name or args.listen, host, int(port), secret, devices,
              args.volume_uuid, lambda bound: notify_ready(f"serving on {host}:{bound}"),
-             delay, args.meta)
+             delay, args.meta, args.advertise)
     return 0
 
 

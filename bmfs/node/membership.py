@@ -3,7 +3,8 @@
 A node started with ``--meta etcd://...`` keeps ``v/node/<name>`` alive under an
 etcd lease (TTL 10 s, renewed every 3 s): its address, devices and usage. When the
 node dies the lease expires and the record vanishes, so `bmfs status` (and anything
-placing fragments) sees who is alive from the metadata. With the embedded SQLite
+placing fragments) sees who is alive from the metadata. At start, such a node also
+announces its address for the devices it serves (``announce``). With the embedded SQLite
 engine the mount owns the metadata; the mount then asks nodes directly (STAT).
 """
 from __future__ import annotations
@@ -52,6 +53,45 @@ async def keep_registered(kv, name: str, address: str, stores: dict, task_status
                 task_status.started()
                 first = False
             await trio.sleep(1.0)
+
+
+async def announce(kv, devices, address: str, volume_uuid: str) -> list[int]:
+    """Make ``address`` the node address of each of ``devices`` (ids this node serves:
+    it opened and locked their directories, which say they are this volume's) whose
+    device record names another: the node came back on a new IP or port. Mounts take
+    the change up through their watch, as `bmfs node set-address` makes it. Devices
+    not added yet, or removed, are left alone. The ids changed."""
+    try:
+        return await _announce(kv, devices, address, volume_uuid)
+    except FsError as e:  # etcd unreachable: the node serves all the same
+        log.warning("device addresses not announced: %s", e)
+        return []
+
+
+async def _announce(kv, devices, address: str, volume_uuid: str) -> list[int]:
+    from ..meta import keys
+    from ..vfs.repair import change_device, moved_to
+    from ..vfs.volume import device_records
+    raw = await kv.get(keys.SETTINGS)
+    if raw is None or json.loads(raw).get("uuid") != volume_uuid:
+        log.warning("the metadata at --meta is not volume %s's: device addresses not "
+                    "announced", volume_uuid)
+        return []
+    records = await device_records(kv)
+    changed = []
+    for dev in sorted(devices):
+        rec = records.get(dev)
+        if rec is None or rec.get("removed") or rec.get("node", "local") in ("local", address):
+            continue
+        # (in the transaction: unless it was removed or moved again meanwhile)
+        if await change_device(kv, dev, only_if=lambda now, was=rec["node"]:
+                               not now.get("removed") and now.get("node") == was,
+                               **moved_to(rec, address)) is None:
+            continue
+        log.warning("device %d: its record named node %s; now %s (this node)", dev,
+                    rec["node"], address)
+        changed.append(dev)
+    return changed
 
 
 async def live_nodes(kv) -> dict[str, dict]:

@@ -322,7 +322,10 @@ class NodeServer:
 
 async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict[int, str],
                    volume_uuid: str, ready=None, read_delay: float = 0.0,
-                   meta: str | None = None) -> None:
+                   meta: str | None = None, advertise: str | None = None) -> None:
+    """Serve ``devices`` on ``host:port`` until cancelled. With ``meta`` (etcd), keep a
+    leased membership record there, and first announce ``advertise`` (default: the
+    address listened on, unless that is a wildcard) as the devices' node address."""
     locks = []
     try:
         for path in devices.values():
@@ -341,9 +344,14 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
             kv = await open_kv(meta)
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(server.serve, host, port)
+            if advertise is None and host not in ("0.0.0.0", "::", ""):
+                advertise = f"{host}:{bound}"
             if kv is not None and hasattr(kv, "grant_lease"):
-                from .membership import keep_registered
-                await nursery.start(keep_registered, kv, name, f"{host}:{bound}", stores)
+                from .membership import announce, keep_registered
+                if advertise:  # (beside serving: etcd may be slow or unreachable)
+                    nursery.start_soon(announce, kv, stores, advertise, volume_uuid)
+                await nursery.start(keep_registered, kv, name, advertise or f"{host}:{bound}",
+                                    stores)
             if ready:
                 ready(bound)
     finally:

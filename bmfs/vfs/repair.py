@@ -448,17 +448,28 @@ async def _wait_for_mounts(volume, seq: int, timeout: float = MOUNTS_TIMEOUT) ->
 
 
 async def set_device(volume, device: int, check=None, **changes) -> dict:
-    """Change device ``device``'s record (``draining``/``removed``: True sets, False
-    clears; other values are set as given) in a transaction, which first calls ``check(records)`` with every device
-    record as it would be (it raises to refuse: two drains at once cannot both pass
-    it, as each reads the other's record), then take the records up
+    """Change device ``device``'s record (change_device), then take the records up
     (Volume.refresh_devices): new stripes go to the devices in service from the next
     write on. The record, changed."""
+    rec = await change_device(volume.kv, device, check, **changes)
+    await volume.refresh_devices()
+    return rec
+
+
+async def change_device(kv, device: int, check=None, only_if=None, **changes) -> dict | None:
+    """Change device ``device``'s record (``draining``/``removed``: True sets, False
+    clears; other values are set as given) in a transaction, which first calls
+    ``check(records)`` with every device record as it would be (it raises to refuse:
+    two drains at once cannot both pass it, as each reads the other's record). The
+    record, changed; None, and nothing changed, if ``only_if(record)`` is false for
+    the record as it was."""
     async def fn(txn):
         records = await device_records(txn)
         rec = records.get(device)
         if rec is None:
             raise NotFound(f"no device {device}")
+        if only_if is not None and not only_if(dict(rec)):
+            return None
         for key, value in changes.items():
             if value is False:
                 rec.pop(key, None)
@@ -471,9 +482,7 @@ async def set_device(volume, device: int, check=None, **changes) -> dict:
             check(records)
         txn.put(keys.device(device), json.dumps(rec).encode())
         return rec
-    rec = await volume.kv.transact(fn)
-    await volume.refresh_devices()
-    return rec
+    return await kv.transact(fn)
 
 
 async def undrain(volume, device: int, progress=None) -> dict:
@@ -586,11 +595,16 @@ async def set_address(volume, device: int, address: str, progress=None) -> dict:
                       "address")
     old = rec["node"]
     await _check_node(volume, address, device)
-    # a device's failure domain defaults to its node's address: kept as it was, so that
-    # devices of one node moved one by one (or named by IP here, by DNS name there)
-    # stay one domain for placement and repair
-    await set_device(volume, device, node=address, domain=rec.get("domain") or old)
+    await set_device(volume, device, **moved_to(rec, address))
     return {"device": device, "was": old, "node": address}
+
+
+def moved_to(rec: dict, address: str) -> dict:
+    """The changes to a device record whose node is at ``address`` now. Its failure
+    domain defaults to its node's address: it is kept as it was, so that devices of one
+    node moved one by one (or named by IP here, by DNS name there) stay one domain for
+    placement and repair."""
+    return {"node": address, "domain": rec.get("domain") or rec["node"]}
 
 
 def _prepare_local(uuid: str, records: dict, path: str, device: int, layout: str) -> None:

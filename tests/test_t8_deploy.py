@@ -184,7 +184,7 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
     membership records, a node that comes back on another port is reached there: at
     once when it announces its address (--meta), else once `bmfs node set-address`
     says where (and not at a node that does not serve the device, or serves another
-    volume's), the device keeping its failure domain either way; and stopping the units unmounts and ends every process."""
+    volume's); and stopping the units unmounts and ends every process."""
     root = tmp_path
     etc = root / "etc" / "bmfs"
     etc.mkdir(parents=True)
@@ -269,14 +269,14 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
             env_file.write_text(env_file.read_text().replace(f":{ports[2]}", f":{new2}"))
             nodes[2] = Unit("bmfs-node@.service", root, instance="n2")
             nodes[2].start()
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 30
             while _device(mp, 2)["node"] != f"127.0.0.1:{new2}":
                 assert time.monotonic() < deadline, _device(mp, 2)
                 time.sleep(0.2)
             _drop_caches()
             assert (mp / "big").read_bytes() == data
-            # its failure domain (its old address by default) stays what it was
-            assert _device(mp, 2)["domain"] == f"127.0.0.1:{ports[2]}"
+            # its failure domain (its address, by default) moved with it
+            assert _device(mp, 2)["domain"] == f"127.0.0.1:{new2}"
             # node n3 comes back on another port without --meta: nothing announces it,
             # so with 1 and 4 dead reads fail, until set-address says where it is
             nodes[3].stop(timeout=20)
@@ -312,18 +312,41 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
                         break
                     time.sleep(0.2)  # (not listening yet)
                 assert r.returncode == 2 and "of another volume" in r.stderr, r.stderr
+                # nor does that node register or announce itself: the metadata is
+                # another volume's
+                deadline = time.monotonic() + 20
+                while "is not volume" not in (root / "foreign.log").read_text():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
             finally:
                 proc.kill()
                 proc.wait()
                 log.close()
-            # (nor did that node announce itself: the metadata is another volume's)
-            assert "not announced" in (root / "foreign.log").read_text()
             assert _device(mp, 3)["node"] == f"127.0.0.1:{ports[3]}"
             bmfs("node", "set-address", 3, f"127.0.0.1:{new3}", "-m", mp)
             _drop_caches()
             assert (mp / "big").read_bytes() == data
             assert _device(mp, 3)["node"] == f"127.0.0.1:{new3}"
-            assert _device(mp, 3)["domain"] == f"127.0.0.1:{ports[3]}"
+            assert _device(mp, 3)["domain"] == f"127.0.0.1:{new3}"
+            # a copy of device 5 served by another process while node n5 still serves
+            # the device: the copy's node does not take the record over
+            copy, copy_port = root / "copy-of-dev5", free_ports(1)[0]
+            shutil.copytree(devices[5], copy)
+            log = open(root / "copy.log", "wb")
+            proc = subprocess.Popen(
+                [BMFS_BIN, "node", "serve", "--listen", f"127.0.0.1:{copy_port}", "--device",
+                 f"5={copy}", "--secret-file", etc / "volume" / "secret",
+                 "--volume-uuid", uuid, "--meta", etcd_cluster.url], stdout=log, stderr=log)
+            try:
+                deadline = time.monotonic() + 20
+                while "still serves it" not in (root / "copy.log").read_text():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+            finally:
+                proc.kill()
+                proc.wait()
+                log.close()
+            assert _device(mp, 5)["node"] == f"127.0.0.1:{ports[5]}"
             # the daemon dies: starting the unit again detaches the dead mount first
             os.kill(mount.proc.pid, signal.SIGKILL)
             mount.proc.wait()

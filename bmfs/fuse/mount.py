@@ -44,7 +44,7 @@ def pid_file(volume_path: str, mountpoint: str) -> str:
 async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=None) -> None:
     """Mount and serve until unmounted. ``ready(error_or_None)`` is called once."""
     volume = await Volume.open(volume_path)
-    held = None  # signal handlers while the last of the data is stored
+    handlers = _handlers()  # put back at the end (SIG_IGN while the data is stored)
     try:
         swept = await gc.begin_session(volume)  # single owner: sweep after a crash
         if swept:
@@ -91,24 +91,32 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
             # what was written is stored now, and the write-behind metadata by
             # volume.aclose: a SIGTERM (a service manager stopping it once unmounted)
             # must not cut that short, so these signals are ignored until the end
-            held = _ignore_signals()
+            _set_handlers(dict.fromkeys(handlers, signal.SIG_IGN))
             await fs.aclose()
             await gc.end_session(volume)
             _remove_pid(pidfiles)
     finally:
-        await volume.aclose()
-        for sig, handler in (held or {}).items():
-            signal.signal(sig, handler)
+        try:
+            await volume.aclose()
+        finally:
+            _set_handlers(handlers)
 
 
-def _ignore_signals() -> dict:
-    """Ignore SIGTERM, SIGINT and SIGHUP; their handlers before (to put back). In
-    the main thread only (signal handlers live there): elsewhere, nothing."""
+_STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _handlers() -> dict:
+    """The handlers of SIGTERM, SIGINT and SIGHUP now; none outside the main thread
+    (signal handlers live there, and cannot be set elsewhere)."""
     import threading
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, signal.SIG_IGN)
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    return {sig: signal.getsignal(sig) for sig in _STOPPING}
+
+
+def _set_handlers(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def _watch_requests(transport) -> None:
@@ -179,7 +187,11 @@ async def _gc_loop(fs):
 
 
 async def _signals():
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+    # leaving the receiver puts back the handlers it found and delivers to them the
+    # signals it still holds: ignored ones, so that a second SIGTERM does not end the
+    # process before its data is stored (serve's finally puts the old ones back)
+    _set_handlers(dict.fromkeys(_handlers(), signal.SIG_IGN))
+    with trio.open_signal_receiver(*_STOPPING) as sigs:
         async for _ in sigs:
             log.info("signal received: unmounting")
             pyfuse3.terminate()

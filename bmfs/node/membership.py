@@ -55,25 +55,55 @@ async def keep_registered(kv, name: str, address: str, stores: dict, task_status
             await trio.sleep(1.0)
 
 
-async def announce(kv, devices, address: str, volume_uuid: str) -> list[int]:
+async def announce(kv, devices, address: str, volume_uuid: str, secret: bytes,
+                   tries: int = 12) -> list[int]:
     """Make ``address`` the node address of each of ``devices`` (ids this node serves:
     it opened and locked their directories, which say they are this volume's) whose
     device record names another: the node came back on a new IP or port. Mounts take
-    the change up through their watch, as `bmfs node set-address` makes it. Devices
-    not added yet, or removed, are left alone. The ids changed."""
+    the change up through their watch, as `bmfs node set-address` makes it.
+
+    Left alone: devices not added yet or removed; a record whose node still answers
+    for the device (another process serves a copy of it: the record is not taken from
+    it); a loopback address over one that is not (clients elsewhere could not reach
+    it). Metadata that is not this volume's changes nothing. When etcd cannot be
+    reached it is tried again, every 5 s, ``tries`` times. The ids changed."""
+    for _ in range(tries):
+        try:
+            return await _announce(kv, devices, address, volume_uuid, secret)
+        except FsError as e:
+            log.warning("device addresses not announced yet: %s", e)
+            await trio.sleep(5.0)
+    return []
+
+
+def _loopback(address: str) -> bool:
+    import ipaddress
+    host = address.rpartition(":")[0].strip("[]")
     try:
-        return await _announce(kv, devices, address, volume_uuid)
-    except FsError as e:  # etcd unreachable: the node serves all the same
-        log.warning("device addresses not announced: %s", e)
-        return []
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
-async def _announce(kv, devices, address: str, volume_uuid: str) -> list[int]:
-    from ..meta import keys
+async def _answers(address: str, dev: int, volume_uuid: str, secret: bytes) -> bool:
+    """Whether the node at ``address`` serves device ``dev`` of this volume now."""
+    from ..transport import DeviceError
+    from ..transport.tcp import TcpTransport
+    probe = TcpTransport({dev: address}, secret, timeout=3.0)
+    try:
+        with trio.fail_after(5):
+            info = await probe.stat(dev)
+        return info.get("volume", volume_uuid) == volume_uuid
+    except (DeviceError, OSError, trio.TooSlowError):
+        return False
+    finally:
+        await probe.aclose()
+
+
+async def _announce(kv, devices, address: str, volume_uuid: str, secret: bytes) -> list[int]:
     from ..vfs.repair import change_device, moved_to
     from ..vfs.volume import device_records
-    raw = await kv.get(keys.SETTINGS)
-    if raw is None or json.loads(raw).get("uuid") != volume_uuid:
+    if not await is_volume(kv, volume_uuid):
         log.warning("the metadata at --meta is not volume %s's: device addresses not "
                     "announced", volume_uuid)
         return []
@@ -83,15 +113,31 @@ async def _announce(kv, devices, address: str, volume_uuid: str) -> list[int]:
         rec = records.get(dev)
         if rec is None or rec.get("removed") or rec.get("node", "local") in ("local", address):
             continue
+        old = rec["node"]
+        if _loopback(address) and not _loopback(old):
+            log.warning("device %d: not announcing loopback address %s over %s", dev,
+                        address, old)
+            continue
+        if await _answers(old, dev, volume_uuid, secret):
+            log.warning("device %d: %s still serves it: a copy of the device? Its record "
+                        "stays", dev, old)
+            continue
         # (in the transaction: unless it was removed or moved again meanwhile)
-        if await change_device(kv, dev, only_if=lambda now, was=rec["node"]:
+        if await change_device(kv, dev, only_if=lambda now, was=old:
                                not now.get("removed") and now.get("node") == was,
                                **moved_to(rec, address)) is None:
             continue
         log.warning("device %d: its record named node %s; now %s (this node)", dev,
-                    rec["node"], address)
+                    old, address)
         changed.append(dev)
     return changed
+
+
+async def is_volume(kv, volume_uuid: str) -> bool:
+    """Whether the metadata ``kv`` is volume ``volume_uuid``'s."""
+    from ..meta import keys
+    raw = await kv.get(keys.SETTINGS)
+    return raw is not None and json.loads(raw).get("uuid") == volume_uuid
 
 
 async def live_nodes(kv) -> dict[str, dict]:

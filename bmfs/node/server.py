@@ -328,12 +328,13 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
     address listened on, unless that is a wildcard) as the devices' node address."""
     locks = []
     try:
-        for path in devices.values():
-            locks.append(await trio.to_thread.run_sync(lock_device, path))
+        for dev in sorted(devices):  # (in one order: two overlapping lists cannot cross)
+            locks.append(await trio.to_thread.run_sync(lock_device, devices[dev]))
         stores = {dev: open_store(path, volume_uuid, dev) for dev, path in devices.items()}
     except BaseException:
         for fd in locks:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         raise
     server = NodeServer(name, secret, stores, read_delay=read_delay)
     server.volume_uuid = volume_uuid
@@ -347,11 +348,21 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
             if advertise is None and host not in ("0.0.0.0", "::", ""):
                 advertise = f"{host}:{bound}"
             if kv is not None and hasattr(kv, "grant_lease"):
-                from .membership import announce, keep_registered
-                if advertise:  # (beside serving: etcd may be slow or unreachable)
-                    nursery.start_soon(announce, kv, stores, advertise, volume_uuid)
-                await nursery.start(keep_registered, kv, name, advertise or f"{host}:{bound}",
-                                    stores)
+                from ..errors import FsError
+                from .membership import announce, is_volume, keep_registered
+                try:
+                    ours = await is_volume(kv, volume_uuid)
+                except FsError:  # unreachable for now: registered once it answers
+                    ours = True
+                if not ours:
+                    log.warning("the metadata at %s is not volume %s's: not registered "
+                                "there, no addresses announced", meta, volume_uuid)
+                else:
+                    if advertise:  # (beside serving: etcd may be slow or unreachable)
+                        nursery.start_soon(announce, kv, stores, advertise, volume_uuid,
+                                           secret)
+                    await nursery.start(keep_registered, kv, name,
+                                        advertise or f"{host}:{bound}", stores)
             if ready:
                 ready(bound)
     finally:
@@ -359,7 +370,8 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
         if kv is not None:
             await kv.aclose()
         for fd in locks:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
 
 __all__ = ["NodeServer", "run_node"]

@@ -290,8 +290,10 @@ def lock_device(path: str, wait: float = 5.0) -> int:
     device is served: two storage nodes serving one device would each write it
     without the other (a pool's allocations, fragments both think are theirs).
     A holder that is still exiting gets ``wait`` seconds to let go; then
-    VolumeError."""
+    VolumeError. Where the filesystem has no such locks, -1 (served unlocked, with a
+    warning). Only processes of one machine see each other's locks."""
     import fcntl
+    import logging
     import time
     target = path[5:].partition(":")[0] if path.startswith("pmem:") else path
     try:
@@ -299,16 +301,24 @@ def lock_device(path: str, wait: float = 5.0) -> int:
     except OSError as e:
         raise VolumeError(f"{path}: {e.strerror}")
     deadline = time.monotonic() + wait
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise VolumeError(f"{path} is served by another process already (it holds "
-                                  f"the device's lock): stop that one first")
-            time.sleep(0.1)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise VolumeError(f"{path} is served by another process already (it "
+                                      f"holds the device's lock): stop that one first")
+                time.sleep(0.1)
+    except OSError as e:  # no flock here (some network filesystems)
+        os.close(fd)
+        logging.getLogger(__name__).warning("%s: cannot be locked (%s); served without the "
+                                            "lock", path, e.strerror)
+        return -1
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def format_if_new(path: str, volume_uuid: str, dev: int, layout: str = "files") -> bool:

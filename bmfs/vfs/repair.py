@@ -600,11 +600,10 @@ async def set_address(volume, device: int, address: str, progress=None) -> dict:
 
 
 def moved_to(rec: dict, address: str) -> dict:
-    """The changes to a device record whose node is at ``address`` now. Its failure
-    domain defaults to its node's address: it is kept as it was, so that devices of one
-    node moved one by one (or named by IP here, by DNS name there) stay one domain for
-    placement and repair."""
-    return {"node": address, "domain": rec.get("domain") or rec["node"]}
+    """The changes to a device record whose node is at ``address`` now. (Its failure
+    domain, unless set, is its node's address: the new one then, as for a device added
+    there later. A node's devices moved one by one are two domains in between.)"""
+    return {"node": address}
 
 
 def _prepare_local(uuid: str, records: dict, path: str, device: int, layout: str) -> None:

@@ -11,6 +11,7 @@ directory. Every process is real: etcd members, node processes, FUSE mounts.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -166,6 +167,30 @@ def _device(mp, dev) -> dict:
     return [d for d in devices if d["id"] == dev][0]
 
 
+@contextlib.contextmanager
+def _node(log_path, dev, path, uuid, etc, etcd):
+    """A `bmfs node serve` of ``dev`` at ``path`` (with --meta) outside the units,
+    logging to ``log_path``; yields its address; killed on exit."""
+    port = free_ports(1)[0]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [BMFS_BIN, "node", "serve", "--listen", f"127.0.0.1:{port}", "--device",
+             f"{dev}={path}", "--secret-file", etc / "volume" / "secret",
+             "--volume-uuid", uuid, "--meta", etcd.url], stdout=log, stderr=log)
+        try:
+            yield f"127.0.0.1:{port}"
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_for_line(path, text, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert time.monotonic() < deadline, f"{path}: no {text!r} in {timeout} s"
+        time.sleep(0.2)
+
+
 def _drop_caches():
     subprocess.run(["sync"])
     with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -294,34 +319,20 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
             r = bmfs("node", "set-address", 3, f"127.0.0.1:{ports[0]}", "-m", mp, check=False)
             assert r.returncode == 2 and "does not serve device 3" in r.stderr, r.stderr
             # a node with the secret serving a device 3 of another volume is refused too
-            other_port, other = free_ports(1)[0], root / "other-volume-dev3"
+            other = root / "other-volume-dev3"
             foreign = "11111111-2222-3333-4444-555555555555"
             bmfs("node", "format", "--device", f"3={other}", "--volume-uuid", foreign)
-            log = open(root / "foreign.log", "wb")
-            proc = subprocess.Popen(
-                [BMFS_BIN, "node", "serve", "--listen", f"127.0.0.1:{other_port}", "--device",
-                 f"3={other}", "--secret-file", etc / "volume" / "secret",
-                 "--volume-uuid", foreign, "--meta", etcd_cluster.url],
-                stdout=log, stderr=log)
-            try:
+            with _node(root / "foreign.log", 3, other, foreign, etc, etcd_cluster) as addr:
                 deadline = time.monotonic() + 20
                 while True:
-                    r = bmfs("node", "set-address", 3, f"127.0.0.1:{other_port}", "-m", mp,
-                             check=False)
+                    r = bmfs("node", "set-address", 3, addr, "-m", mp, check=False)
                     if "does not serve" not in r.stderr or time.monotonic() > deadline:
                         break
                     time.sleep(0.2)  # (not listening yet)
                 assert r.returncode == 2 and "of another volume" in r.stderr, r.stderr
                 # nor does that node register or announce itself: the metadata is
                 # another volume's
-                deadline = time.monotonic() + 20
-                while "is not volume" not in (root / "foreign.log").read_text():
-                    assert time.monotonic() < deadline
-                    time.sleep(0.2)
-            finally:
-                proc.kill()
-                proc.wait()
-                log.close()
+                _wait_for_line(root / "foreign.log", "is not volume")
             assert _device(mp, 3)["node"] == f"127.0.0.1:{ports[3]}"
             bmfs("node", "set-address", 3, f"127.0.0.1:{new3}", "-m", mp)
             _drop_caches()
@@ -330,22 +341,10 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
             assert _device(mp, 3)["domain"] == f"127.0.0.1:{new3}"
             # a copy of device 5 served by another process while node n5 still serves
             # the device: the copy's node does not take the record over
-            copy, copy_port = root / "copy-of-dev5", free_ports(1)[0]
+            copy = root / "copy-of-dev5"
             shutil.copytree(devices[5], copy)
-            log = open(root / "copy.log", "wb")
-            proc = subprocess.Popen(
-                [BMFS_BIN, "node", "serve", "--listen", f"127.0.0.1:{copy_port}", "--device",
-                 f"5={copy}", "--secret-file", etc / "volume" / "secret",
-                 "--volume-uuid", uuid, "--meta", etcd_cluster.url], stdout=log, stderr=log)
-            try:
-                deadline = time.monotonic() + 20
-                while "still serves it" not in (root / "copy.log").read_text():
-                    assert time.monotonic() < deadline
-                    time.sleep(0.2)
-            finally:
-                proc.kill()
-                proc.wait()
-                log.close()
+            with _node(root / "copy.log", 5, copy, uuid, etc, etcd_cluster):
+                _wait_for_line(root / "copy.log", "still serves it")
             assert _device(mp, 5)["node"] == f"127.0.0.1:{ports[5]}"
             # the daemon dies: starting the unit again detaches the dead mount first
             os.kill(mount.proc.pid, signal.SIGKILL)

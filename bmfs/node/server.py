@@ -323,9 +323,10 @@ class NodeServer:
 async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict[int, str],
                    volume_uuid: str, ready=None, read_delay: float = 0.0,
                    meta: str | None = None, advertise: str | None = None) -> None:
-    """Serve ``devices`` on ``host:port`` until cancelled. With ``meta`` (etcd), keep a
-    leased membership record there, and first announce ``advertise`` (default: the
-    address listened on, unless that is a wildcard) as the devices' node address."""
+    """Serve ``devices`` on ``host:port`` until cancelled, each locked for this process
+    (lock_device). With ``meta`` (etcd, this volume's), keep a leased membership record
+    there, and announce ``advertise`` (default: the address listened on, unless that
+    is a wildcard) as the devices' node address, beside serving (membership.announce)."""
     locks = []
     try:
         for dev in sorted(devices):  # (in one order: two overlapping lists cannot cross)

@@ -88,20 +88,16 @@ def _loopback(address: str) -> bool:
 async def _answers(address: str, dev: int, volume_uuid: str, secret: bytes) -> bool:
     """Whether the node at ``address`` serves device ``dev`` of this volume now."""
     from ..transport import DeviceError
-    from ..transport.tcp import TcpTransport
-    probe = TcpTransport({dev: address}, secret, timeout=3.0)
+    from ..transport.tcp import stat_device
     try:
-        with trio.fail_after(5):
-            info = await probe.stat(dev)
-        return info.get("volume", volume_uuid) == volume_uuid
+        info = await stat_device(address, dev, secret, timeout=3.0)
     except (DeviceError, OSError, trio.TooSlowError):
         return False
-    finally:
-        await probe.aclose()
+    return info.get("volume", volume_uuid) == volume_uuid
 
 
 async def _announce(kv, devices, address: str, volume_uuid: str, secret: bytes) -> list[int]:
-    from ..vfs.repair import change_device, moved_to
+    from ..vfs.repair import change_device
     from ..vfs.volume import device_records
     if not await is_volume(kv, volume_uuid):
         log.warning("the metadata at --meta is not volume %s's: device addresses not "
@@ -125,7 +121,7 @@ async def _announce(kv, devices, address: str, volume_uuid: str, secret: bytes) 
         # (in the transaction: unless it was removed or moved again meanwhile)
         if await change_device(kv, dev, only_if=lambda now, was=old:
                                not now.get("removed") and now.get("node") == was,
-                               **moved_to(rec, address)) is None:
+                               node=address) is None:
             continue
         log.warning("device %d: its record named node %s; now %s (this node)", dev,
                     old, address)

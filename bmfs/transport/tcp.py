@@ -356,3 +356,16 @@ class TcpTransport:
             for c in node.idle:
                 c.close()
             node.idle.clear()
+
+
+async def stat_device(address: str, dev: int, secret: bytes, timeout: float = 5.0) -> dict:
+    """STAT device ``dev`` at the node at ``address`` through a connection of its own
+    (a volume's transport is left as it is): the node's usage reply, whose "volume"
+    names the volume it serves (nodes of before that field: absent). Raises
+    DeviceError, OSError or trio.TooSlowError when the node does not answer for it."""
+    probe = TcpTransport({dev: address}, secret, timeout=timeout)
+    try:
+        with trio.fail_after(timeout):
+            return await probe.stat(dev)
+    finally:
+        await probe.aclose()

@@ -560,20 +560,16 @@ async def add_device(volume, path: str, address: str | None = None, device: int 
 async def _check_node(volume, address: str, device: int) -> None:
     """Invalid unless ``address`` is HOST:PORT and the node there serves ``device``
     (asked through a transport of its own: the volume's is left as it is)."""
-    from ..transport.tcp import TcpTransport
+    from ..transport.tcp import stat_device
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise Invalid(f"a node address is HOST:PORT, not {address!r}")
-    probe = TcpTransport({device: address}, volume.transport.secret)
     try:
-        with trio.fail_after(5):
-            info = await probe.stat(device)
+        info = await stat_device(address, device, volume.transport.secret)
     except (DeviceError, OSError, trio.TooSlowError) as e:
         raise Invalid(f"the node at {address} does not serve device {device} ({e}); "
                       f"start it with: bmfs node serve --device {device}=PATH ... (a new "
                       f"directory formatted first: --format, or bmfs node format)") from e
-    finally:
-        await probe.aclose()
     if info.get("volume", volume.settings.uuid) != volume.settings.uuid:  # (older nodes
         # do not say: they check the directory against their own --volume-uuid only)
         raise Invalid(f"the node at {address} serves device {device} of another volume "
@@ -595,15 +591,9 @@ async def set_address(volume, device: int, address: str, progress=None) -> dict:
                       "address")
     old = rec["node"]
     await _check_node(volume, address, device)
-    await set_device(volume, device, **moved_to(rec, address))
+    # (its failure domain, unless set, is its node's address: it moves with it)
+    await set_device(volume, device, node=address)
     return {"device": device, "was": old, "node": address}
-
-
-def moved_to(rec: dict, address: str) -> dict:
-    """The changes to a device record whose node is at ``address`` now. (Its failure
-    domain, unless set, is its node's address: the new one then, as for a device added
-    there later. A node's devices moved one by one are two domains in between.)"""
-    return {"node": address}
 
 
 def _prepare_local(uuid: str, records: dict, path: str, device: int, layout: str) -> None:

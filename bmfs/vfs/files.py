@@ -45,6 +45,34 @@ PIPELINE = 2  # full stripes of one file stored in the background at once
 # costs up to ~33 operations (its slice list, and each stripe's record and GC entry),
 # and etcd limits a transaction's operations (--max-txn-ops, docs/etcd.md).
 FREE_BATCH = 64
+# Orphan records (o/LAYER/INO) on a shared volume say who holds the unlinked file: a
+# comma-separated list of mount ids, or UNCLAIMED and the id of the mount that let it
+# go (unlinked it while no handle of its own was open, closed its last handle, or found
+# its holders dead). A mount that holds it open claims it (puts its id in); an
+# unclaimed one is freed by a mount that has seen it unclaimed for ORPHAN_GRACE
+# seconds (reap_orphans), long enough for every live mount to sweep a few times.
+UNCLAIMED = b"?"
+
+
+def _grace() -> float:
+    try:
+        return max(0.0, float(os.environ.get("BMFS_ORPHAN_GRACE", "30")))
+    except ValueError:
+        return 30.0
+
+
+ORPHAN_GRACE = _grace()
+
+
+def unclaimed(mount_id: str) -> bytes:
+    return UNCLAIMED + mount_id.encode()
+
+
+def holders(value: bytes) -> list[str]:
+    """The mounts an orphan record names as holding the file open."""
+    if not value or value.startswith(UNCLAIMED):
+        return []
+    return [h for h in value.decode(errors="replace").split(",") if h]
 
 
 class WriteBuffer:
@@ -138,6 +166,8 @@ class Files:
         # mount deletes a file it unlinks at once (it does not know of opens here), so
         # only these can need freeing at release.
         self.orphaned: dict[tuple[int, int], int] = {}
+        # (layer, ino, record) -> trio time this mount first saw it unclaimed
+        self._unclaimed_since: dict[tuple[int, int, bytes], float] = {}
         # (view id, ino, chunk) -> slices its list kept at its last compaction here: the
         # next waits until the list has doubled (many small writes scattered over a
         # chunk leave as many slices that all show; compacting them at every write
@@ -159,7 +189,10 @@ class Files:
         lay = self.orphaned.get((view.id, ino))
         if lay is not None and not self.is_open(view, ino):
             del self.orphaned[(view.id, ino)]
-            await self._free_if_orphan(view, ino, lay)
+            if self.fs.defers_free(view):
+                await self._set_holders(view, ino, lay, drop=self.fs.mount_id)
+            else:
+                await self._free_if_orphan(view, ino, lay)
 
     def overlay(self, view, ino, i: Inode) -> None:
         of = self.open_files.get((view.id, ino))
@@ -429,15 +462,21 @@ class Files:
                 del self.open_files[(of.view.id, of.ino)]
                 await self.free_unlinked(of.view, of.ino)  # if unlinked here while open
 
-    async def _free_if_orphan(self, view, ino: int, lay: int | None = None) -> None:
+    async def _free_if_orphan(self, view, ino: int, lay: int | None = None,
+                              expect: bytes | None = None) -> None:
         """Free inode ``ino`` if no name is left, and drop its orphan record (``lay``:
         the layer it was recorded under). A big file goes a batch of chunks per
         transaction; if this mount dies half way, another one (or its next mount)
-        finishes the job from the orphan record."""
+        finishes the job from the orphan record. With ``expect``, only while the
+        record still says that (a mount that claimed it meanwhile keeps it)."""
         if not view.writable:
             return
 
         async def fn(txn, chain):
+            if expect is not None:
+                rec = await txn.get(keys.orphan(chain.top if lay is None else lay, ino))
+                if rec != expect:
+                    return True
             i = await ns.get_inode(txn, chain, ino)
             if i is not None and i.nlink == 0:
                 idxs = await ns.chunk_indexes(txn, chain, ino)
@@ -460,16 +499,86 @@ class Files:
         """
         n = 0
         prefix = b"o/"
+        shared = self.fs.defers_free(view)
+        now, seen = trio.current_time(), {}
         for k, owner in await self.kv.range(prefix, prefix + b"\xff"):
             lay, ino = (int(x, 16) for x in k[2:].split(b"/"))
-            if lay not in view.chain.layers or (view.id, ino) in self.open_files:
+            if lay not in view.chain.layers:
+                continue
+            if shared:
+                n += await self._sweep_shared(view, lay, ino, owner, now, seen)
+                continue
+            if (view.id, ino) in self.open_files:
                 continue
             if owner and owner.decode() != self.fs.mount_id and \
                     await self.kv.get(keys.mount(owner.decode())) is not None:
                 continue
             await self._free_if_orphan(view, ino, lay)
             n += 1
+        if shared:
+            self._unclaimed_since = seen
         return n
+
+    async def _sweep_shared(self, view, lay: int, ino: int, record: bytes, now: float,
+                            seen: dict) -> int:
+        """One orphan record of a shared volume (see UNCLAIMED): claim it if this
+        mount holds the file open; free it once unclaimed for ORPHAN_GRACE seconds (as
+        seen from here); make it unclaimed once every holder it names is gone. Returns
+        1 if it was freed."""
+        me = self.fs.mount_id
+        named = holders(record)
+        if (view.id, ino) in self.open_files:
+            await self.claim_if_open(lay, ino, record)
+            return 0
+        if record.startswith(UNCLAIMED):
+            first = seen[(lay, ino, record)] = self._unclaimed_since.get((lay, ino, record), now)
+            if now - first < ORPHAN_GRACE:
+                return 0
+            await self._free_if_orphan(view, ino, lay, expect=record)
+            return 1
+        for h in named:
+            if h != me and await self.kv.get(keys.mount(h)) is not None:
+                return 0  # held by a live mount
+        # every holder is gone (died, or this mount without a handle now)
+        await self._set_holders(view, ino, lay, expect=record, drop=me)
+        return 0
+
+    async def claim_if_open(self, lay: int, ino: int, record: bytes) -> None:
+        """The orphan record of (``lay``, ``ino``) now says ``record`` (another mount
+        put it): if this mount holds the file open and is not named, claim it."""
+        view = self.fs.views.get(0)
+        if (view is None or not self.fs.defers_free(view) or lay not in view.chain.layers
+                or (view.id, ino) not in self.open_files
+                or self.fs.mount_id in holders(record)):
+            return
+        await self._set_holders(view, ino, lay, add=self.fs.mount_id, expect=record)
+        self.orphaned[(view.id, ino)] = lay
+
+    async def _set_holders(self, view, ino: int, lay: int, add: str | None = None,
+                           drop: str | None = None, expect: bytes | None = None) -> None:
+        """Rewrite the orphan record of ``ino``: with ``add`` named as a holder,
+        ``drop`` not, and without holders that have no live ``m/`` record; unclaimed
+        (by ``drop``, or this mount) if none is left. With ``expect``, only if the
+        record still says that. Nothing if the record is gone (freed meanwhile)."""
+        me = self.fs.mount_id
+        key = keys.orphan(lay, ino)
+
+        async def fn(txn, chain):
+            rec = await txn.get(key)
+            if rec is None or (expect is not None and rec != expect):
+                return
+            keep = []
+            for h in holders(rec):
+                if h == drop or h in keep:
+                    continue
+                if h == add or (h != me and await txn.get(keys.mount(h)) is not None):
+                    keep.append(h)
+            if add is not None and add not in keep:
+                keep.append(add)
+            new = ",".join(keep).encode() if keep else unclaimed(drop or me)
+            if new != rec:
+                txn.put(key, new)
+        await self.fs.mutate(view, fn)
 
     async def close_all(self) -> None:
         for fh in list(self.handles):

@@ -22,7 +22,7 @@ from ..lru import LRU
 from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.records import Inode
-from .files import Files
+from .files import Files, unclaimed
 from .views import (CTL_FILE, CTL_NAME, CTL_ROOT, CTL_VIEW,
                     INO_MASK, VIEW_SHIFT, Views)
 
@@ -73,6 +73,9 @@ class FileSystem:
         self._start = time.time_ns()
         # names this mount in orphan records (o/) and, on etcd, in its leased m/ record
         self.mount_id = os.urandom(8).hex()
+        # other mounts share the volume (etcd): they may hold open a file this one
+        # unlinks, so its last name going frees it only through the orphan sweep
+        self.shared = hasattr(self.kv, "grant_lease")
         self._heads: dict[str, tuple[int, int]] = {}  # branch -> (head, record revision)
         # (view id, ino) -> the last inodes freed here, as they were (see setattr)
         self.gone = LRU(GONE_KEPT)
@@ -95,6 +98,14 @@ class FileSystem:
         back to it later (setattr)."""
         gone = self.gone.put((view.id, ino), i.copy())
         gone.nlink = 0
+
+    def defers_free(self, view) -> bool:
+        """Whether a file of ``view`` whose last name goes (and last handle here closes)
+        is left to the orphan sweep (Files.reap_orphans) rather than freed at once: on
+        a shared volume, in the tree the sweep looks after (view 0), where a file
+        unlinked by one mount stays readable and writable through the handles other
+        mounts hold, as it does through this mount's."""
+        return self.shared and view.id == 0
 
     def split(self, fino: int):
         view = fino >> VIEW_SHIFT
@@ -326,10 +337,14 @@ class FileSystem:
         i.ctime_ns = now
         if i.nlink > 0:
             await ns.put_inode(txn, chain, ino, i)
-        elif self.files.is_open(view, ino) or self.files.is_big(i):
+        elif self.files.is_open(view, ino) or (self.files.is_big(i) and not self.defers_free(view)):
             await ns.put_inode(txn, chain, ino, i)
             txn.put(keys.orphan(chain.top, ino), self.mount_id.encode())
             self.files.orphaned[(view.id, ino)] = chain.top  # (harmless if this try fails)
+        elif i.is_reg() and self.defers_free(view):
+            # another mount may hold it open: freed by the sweep unless one claims it
+            await ns.put_inode(txn, chain, ino, i)
+            txn.put(keys.orphan(chain.top, ino), unclaimed(self.mount_id))
         else:
             self.freed(view, ino, i)
             await ns.delete_inode(txn, chain, ino, i)

@@ -3,7 +3,7 @@
 Every mount keeps the kernel's caches (names, attributes, pages; 1 s timeouts, and a
 writeback cache whose file sizes never time out). When another mount creates, renames,
 unlinks or writes, this mount learns it from one etcd watch over the keys
-``[b/, o/)`` (branch and snapshot records, inodes, entries, chunks: see
+``[b/, o0)`` (branch and snapshot records, inodes, entries, chunks, orphans: see
 bmfs/meta/keys.py) and tells the kernel to forget what changed, typically within
 milliseconds:
 
@@ -13,6 +13,8 @@ milliseconds:
   name the kernel holds for it, so the inode is evicted once unused and its size (which
   the writeback cache keeps) is read afresh (directories keep their names: dropping
   one would make getcwd fail in processes inside it);
+- ``o/LAYER/INO``: a file unlinked (or let go of) by another mount: if it is open
+  here, this mount claims it at once (Files.claim_if_open), so it stays until closed;
 - ``b/NAME``, ``n/NAME``: a branch or snapshot record changed: the views are
   re-read (a branch's head moves when a snapshot or branch is taken from it; its
   layers are then read at their new positions). If a branch's tree was replaced
@@ -40,7 +42,7 @@ from ..meta.records import Inode
 from .views import CTL_BRANCHES, CTL_SNAPSHOTS, VIEW_SHIFT
 
 log = logging.getLogger(__name__)
-WATCH_START, WATCH_END = b"b/", b"o/"   # b/ c/ d/ ... i/ ... l/ m/ n/
+WATCH_START, WATCH_END = b"b/", b"o0"   # b/ c/ d/ ... i/ ... l/ m/ n/ o/
 BATCH = 4096                            # changes handled (and deduplicated) together
 RETRY_DELAY = 1.0
 
@@ -138,6 +140,7 @@ class Watcher:
         """Invalidate what ``batch`` (``(key, value or None)`` in commit order) changed."""
         inodes: dict[int, bool] = {}   # fino -> also drop its names (evict the inode)
         entries: set[tuple[int, bytes]] = set()
+        claims: list[tuple[bytes, bytes]] = []  # orphan records put by other mounts
         tops = self._tops()
         for key, value in batch:
             kind = key[:2]
@@ -146,6 +149,10 @@ class Watcher:
                 await self._flush(inodes, entries)
                 await self._tree_changed(kind, key[2:], value)
                 tops = self._tops()
+                continue
+            if kind == b"o/":
+                if value is not None:
+                    claims.append((key, value))
                 continue
             if kind not in (b"i/", b"d/", b"c/"):
                 continue
@@ -164,6 +171,14 @@ class Watcher:
                     evict = not Inode.unpack(value[1:]).is_dir()
                 inodes[fino] = inodes.get(fino, False) or evict
         await self._flush(inodes, entries)
+        for key, value in claims:
+            # a file another mount unlinked (or let go of): if it is open here, say so
+            # now, long before the sweep would free it (Files.claim_if_open)
+            try:
+                lay, ino = (int(x, 16) for x in key[2:].split(b"/"))
+            except ValueError:
+                continue
+            await self.fs.files.claim_if_open(lay, ino, value)
 
     def _tops(self) -> dict[int, list[int]]:
         """Top layer -> ids of the writable views (branches) this mount shows on it."""

@@ -349,7 +349,8 @@ def test_a_file_unlinked_by_another_mount_stays_open_here(etcd_cluster, tmp_path
     (POSIX; CephFS and Lustre do the same across clients). It is freed once the last
     handle anywhere closes, after the grace period (BMFS_ORPHAN_GRACE, 3 s here)
     that unclaimed files wait for a holder to claim them; so is a file nobody had
-    open. Before, the holder's reads and writes failed with ENOENT at once."""
+    open. Opt-in (setting BMFS_ORPHAN_GRACE turns it on); without it the holder's
+    reads and writes fail with ENOENT at once."""
     monkeypatch.setenv("BMFS_ORPHAN_GRACE", "3")
     with etcd_volume(etcd_cluster, tmp_path, 2) as (a, b):
         data = os.urandom(9 << 20)  # stripes on the devices, and an inline tail
@@ -363,7 +364,7 @@ def test_a_file_unlinked_by_another_mount_stays_open_here(etcd_cluster, tmp_path
         wait_until(lambda: not os.path.exists(f"{a.mp}/held"), 5)
         # claimed at once through the watch: the record names mount a only
         wait_until(lambda: any(v and not v.startswith(b"?")
-                               for v in _orphan_records(etcd_cluster).values()), 5)
+                               for v in _orphan_records(etcd_cluster).values()), 5, step=0.05)
         # the loose one goes once a sweep has seen it unclaimed for the grace period
         wait_until(lambda: len(_orphan_records(etcd_cluster)) == 1,
                    3 + 2 * GC_INTERVAL + 5, step=0.2)

@@ -45,23 +45,30 @@ PIPELINE = 2  # full stripes of one file stored in the background at once
 # costs up to ~33 operations (its slice list, and each stripe's record and GC entry),
 # and etcd limits a transaction's operations (--max-txn-ops, docs/etcd.md).
 FREE_BATCH = 64
-# Orphan records (o/LAYER/INO) on a shared volume say who holds the unlinked file: a
-# comma-separated list of mount ids, or UNCLAIMED and the id of the mount that let it
-# go (unlinked it while no handle of its own was open, closed its last handle, or found
-# its holders dead). A mount that holds it open claims it (puts its id in); an
-# unclaimed one is freed by a mount that has seen it unclaimed for ORPHAN_GRACE
-# seconds (reap_orphans), long enough for every live mount to sweep a few times.
+# Deferred frees on shared volumes (opt-in: BMFS_ORPHAN_GRACE=SECONDS in every mount's
+# environment; FileSystem.defers_free). Orphan records (o/LAYER/INO) then say who holds
+# an unlinked file: a comma-separated list of mount ids, or UNCLAIMED and the id of the
+# mount that let it go (unlinked it while no handle of its own was open, closed its
+# last handle, or found its holders dead). A mount that holds it open claims it (puts
+# its id in); an unclaimed one is freed by a mount that has seen it unclaimed for
+# ORPHAN_GRACE seconds (reap_orphans), long enough for every live mount to sweep a few
+# times. Off by default: see docs/etcd.md for what it does not handle yet.
 UNCLAIMED = b"?"
 
 
-def _grace() -> float:
+def _grace() -> float | None:
+    raw = os.environ.get("BMFS_ORPHAN_GRACE")
+    if not raw:
+        return None
     try:
-        return max(0.0, float(os.environ.get("BMFS_ORPHAN_GRACE", "30")))
+        return max(0.0, float(raw))
     except ValueError:
-        return 30.0
+        log.warning("BMFS_ORPHAN_GRACE=%r is not a number of seconds; frees are not "
+                    "deferred", raw)
+        return None
 
 
-ORPHAN_GRACE = _grace()
+ORPHAN_GRACE = _grace()  # None: a file is freed when its last name and handle here go
 
 
 def unclaimed(mount_id: str) -> bytes:
@@ -191,6 +198,12 @@ class Files:
             del self.orphaned[(view.id, ino)]
             if self.fs.defers_free(view):
                 await self._set_holders(view, ino, lay, drop=self.fs.mount_id)
+            elif self.fs.shared and ORPHAN_GRACE is not None:
+                # (a branch under /.bm: freed now unless a mount of that branch claimed
+                # it meanwhile, which then lets it go in its turn)
+                me = self.fs.mount_id
+                await self._free_if_orphan(view, ino, lay, expect=me.encode())
+                await self._set_holders(view, ino, lay, drop=me, expect=None)
             else:
                 await self._free_if_orphan(view, ino, lay)
 

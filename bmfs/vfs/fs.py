@@ -105,7 +105,8 @@ class FileSystem:
         a shared volume, in the tree the sweep looks after (view 0), where a file
         unlinked by one mount stays readable and writable through the handles other
         mounts hold, as it does through this mount's."""
-        return self.shared and view.id == 0
+        from .files import ORPHAN_GRACE  # (opt-in: docs/etcd.md)
+        return ORPHAN_GRACE is not None and self.shared and view.id == 0
 
     def split(self, fino: int):
         view = fino >> VIEW_SHIFT

@@ -178,7 +178,10 @@ class Watcher:
                 lay, ino = (int(x, 16) for x in key[2:].split(b"/"))
             except ValueError:
                 continue
-            await self.fs.files.claim_if_open(lay, ino, value)
+            try:
+                await self.fs.files.claim_if_open(lay, ino, value)
+            except FsError as e:  # the sweep claims it at its next round
+                log.warning("could not claim orphan inode %d: %s", ino, e)
 
     def _tops(self) -> dict[int, list[int]]:
         """Top layer -> ids of the writable views (branches) this mount shows on it."""

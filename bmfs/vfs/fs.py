@@ -74,7 +74,8 @@ class FileSystem:
         # names this mount in orphan records (o/) and, on etcd, in its leased m/ record
         self.mount_id = os.urandom(8).hex()
         # other mounts share the volume (etcd): they may hold open a file this one
-        # unlinks, so its last name going frees it only through the orphan sweep
+        # unlinks (with BMFS_ORPHAN_GRACE set, its last name going then frees it only
+        # through the orphan sweep: defers_free)
         self.shared = hasattr(self.kv, "grant_lease")
         self._heads: dict[str, tuple[int, int]] = {}  # branch -> (head, record revision)
         # (view id, ino) -> the last inodes freed here, as they were (see setattr)

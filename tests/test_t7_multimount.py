@@ -365,6 +365,8 @@ def test_a_file_unlinked_by_another_mount_stays_open_here(etcd_cluster, tmp_path
         # claimed at once through the watch: the record names mount a only
         wait_until(lambda: any(v and not v.startswith(b"?")
                                for v in _orphan_records(etcd_cluster).values()), 5, step=0.05)
+        # (both records are there: the unlinks commit behind, in order)
+        wait_until(lambda: len(_orphan_records(etcd_cluster)) == 2, 5, step=0.05)
         # the loose one goes once a sweep has seen it unclaimed for the grace period
         wait_until(lambda: len(_orphan_records(etcd_cluster)) == 1,
                    3 + 2 * GC_INTERVAL + 5, step=0.2)
@@ -382,3 +384,30 @@ def test_a_file_unlinked_by_another_mount_stays_open_here(etcd_cluster, tmp_path
                    step=0.2)
         assert os.listdir(a.mp) == [] and os.listdir(b.mp) == []
     # (etcd_volume's fsck: no inode left without a name or an orphan record)
+
+
+def test_deferred_frees_of_a_lone_mount_and_under_a_snapshot(etcd_cluster, tmp_path,
+                                                             monkeypatch):
+    """With deferred frees on (BMFS_ORPHAN_GRACE, a long 300 s here), a mount with no
+    other mount alive frees the files unlinked on it at its next sweep, and at
+    unmount, without the grace: nobody else can hold them. A snapshot taken right
+    after an unlink keeps the nameless inode in its layer: the orphan record stays
+    for it once the mounted tree's copy is freed (fsck, at the end, checks both
+    trees; before, the record went and fsck named the snapshot's inode)."""
+    monkeypatch.setenv("BMFS_ORPHAN_GRACE", "300")
+    with etcd_volume(etcd_cluster, tmp_path, 1) as (a,):
+        _write(f"{a.mp}/f", os.urandom(9 << 20))
+        os.unlink(f"{a.mp}/f")
+        # (the unlink commits behind, so its record may not be there yet: wait for two
+        # sweeps rather than for the record to go)
+        time.sleep(2 * GC_INTERVAL + 2)
+        assert not _orphan_records(etcd_cluster)
+        _write(f"{a.mp}/h", os.urandom(9 << 20))
+        os.unlink(f"{a.mp}/h")
+        bmfs("snapshot", "create", "s", "-m", a.mp)
+        assert os.listdir(f"{a.mp}/.bm/snapshots/s") == []
+        time.sleep(2 * GC_INTERVAL)  # swept: freed in the mounted tree
+        assert len(_orphan_records(etcd_cluster)) == 1  # kept for the snapshot
+        _write(f"{a.mp}/k", b"unlinked just before the unmount")
+        os.unlink(f"{a.mp}/k")
+    assert len(_orphan_records(etcd_cluster)) == 1  # k's went at the unmount

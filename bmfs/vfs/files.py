@@ -173,6 +173,9 @@ class Files:
         # mount deletes a file it unlinks at once (it does not know of opens here), so
         # only these can need freeing at release.
         self.orphaned: dict[tuple[int, int], int] = {}
+        # (layer, ino) of orphan records in frozen layers whose inode this mount has
+        # freed in its tree (_free_if_orphan): the sweeps pass them by
+        self._freed_here: set[tuple[int, int]] = set()
         # (layer, ino, record) -> trio time this mount first saw it unclaimed
         self._unclaimed_since: dict[tuple[int, int, bytes], float] = {}
         # (view id, ino, chunk) -> slices its list kept at its last compaction here: the
@@ -486,10 +489,9 @@ class Files:
             return
 
         async def fn(txn, chain):
-            if expect is not None:
-                rec = await txn.get(keys.orphan(chain.top if lay is None else lay, ino))
-                if rec != expect:
-                    return True
+            at = chain.top if lay is None else lay
+            if expect is not None and await txn.get(keys.orphan(at, ino)) != expect:
+                return True
             i = await ns.get_inode(txn, chain, ino)
             if i is not None and i.nlink == 0:
                 idxs = await ns.chunk_indexes(txn, chain, ino)
@@ -499,7 +501,14 @@ class Files:
                     return False
                 self.fs.freed(view, ino, i)
                 await ns.delete_inode(txn, chain, ino, i)
-            txn.delete(keys.orphan(chain.top if lay is None else lay, ino))
+            if at == chain.top:
+                txn.delete(keys.orphan(at, ino))
+            else:
+                # the record's layer is frozen: a snapshot or branch taken since shares
+                # it, nameless inode and all. The record stays for those trees (fsck,
+                # a mount of that branch frees its own copy) and goes with the layer
+                # (branches.collect_layers); this tree's copy is gone now.
+                self._freed_here.add((at, ino))
             return True
         while not await self.fs.mutate(view, fn):
             pass
@@ -513,13 +522,16 @@ class Files:
         n = 0
         prefix = b"o/"
         shared = self.fs.defers_free(view)
-        now, seen = trio.current_time(), {}
+        now, seen, live = trio.current_time(), {}, set()
+        if shared:  # the mounts with a live record, this one aside
+            live = {k[2:].decode(errors="replace") for k, _ in await self.kv.range(b"m/", b"m0")}
+            live.discard(self.fs.mount_id)
         for k, owner in await self.kv.range(prefix, prefix + b"\xff"):
             lay, ino = (int(x, 16) for x in k[2:].split(b"/"))
-            if lay not in view.chain.layers:
+            if lay not in view.chain.layers or (lay, ino) in self._freed_here:
                 continue
             if shared:
-                n += await self._sweep_shared(view, lay, ino, owner, now, seen)
+                n += await self._sweep_shared(view, lay, ino, owner, now, seen, live)
                 continue
             if (view.id, ino) in self.open_files:
                 continue
@@ -533,28 +545,42 @@ class Files:
         return n
 
     async def _sweep_shared(self, view, lay: int, ino: int, record: bytes, now: float,
-                            seen: dict) -> int:
-        """One orphan record of a shared volume (see UNCLAIMED): claim it if this
-        mount holds the file open; free it once unclaimed for ORPHAN_GRACE seconds (as
-        seen from here); make it unclaimed once every holder it names is gone. Returns
-        1 if it was freed."""
+                            seen: dict, live: set) -> int:
+        """One orphan record of a shared volume (see UNCLAIMED), ``live`` the other
+        mounts with a live record: claim it if this mount holds the file open; free an
+        unclaimed one that is this mount's, or a dead mount's, once it has been seen
+        unclaimed for ORPHAN_GRACE seconds (at once if no other mount lives: none can
+        hold it); make it unclaimed once every holder it names is gone. Returns 1 if
+        it was freed."""
         me = self.fs.mount_id
         named = holders(record)
         if (view.id, ino) in self.open_files:
             await self.claim_if_open(lay, ino, record)
             return 0
         if record.startswith(UNCLAIMED):
+            owner = record[len(UNCLAIMED):].decode(errors="replace")
+            if owner in live:
+                return 0  # its mount frees it (one mount's frees, not every mount's)
             first = seen[(lay, ino, record)] = self._unclaimed_since.get((lay, ino, record), now)
-            if now - first < ORPHAN_GRACE:
+            if live and now - first < ORPHAN_GRACE:
                 return 0
             await self._free_if_orphan(view, ino, lay, expect=record)
             return 1
-        for h in named:
-            if h != me and await self.kv.get(keys.mount(h)) is not None:
-                return 0  # held by a live mount
+        if any(h in live for h in named):
+            return 0  # held by a live mount
         # every holder is gone (died, or this mount without a handle now)
         await self._set_holders(view, ino, lay, expect=record, drop=me)
         return 0
+
+    async def claim_open(self) -> None:
+        """Claim the orphan records of every file open here that do not name this
+        mount (the watch restarted: their changes may have been missed)."""
+        view = self.fs.views.get(0)
+        if view is None or not self.fs.defers_free(view) or not self.open_files:
+            return
+        for k, record in await self.kv.range(b"o/", b"o0"):
+            lay, ino = (int(x, 16) for x in k[2:].split(b"/"))
+            await self.claim_if_open(lay, ino, record)
 
     async def claim_if_open(self, lay: int, ino: int, record: bytes) -> None:
         """The orphan record of (``lay``, ``ino``) now says ``record`` (another mount

@@ -10,13 +10,14 @@ metadata transaction (retried on conflict); file data goes through files.py.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import time
 from dataclasses import dataclass
 
 from ..config import MAX_NAME
-from ..errors import (CrossDevice, Exists, Invalid, IsDir, NameTooLong, NoAttr, NotDir,
+from ..errors import (CrossDevice, Exists, FsError, Invalid, IsDir, NameTooLong, NoAttr, NotDir,
                       NotEmpty, NotFound, NotSupported, Perm, Range, ReadOnly)
 from ..lru import LRU
 from ..meta import keys
@@ -26,6 +27,7 @@ from .files import Files, unclaimed
 from .views import (CTL_FILE, CTL_NAME, CTL_ROOT, CTL_VIEW,
                     INO_MASK, VIEW_SHIFT, Views)
 
+log = logging.getLogger(__name__)
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
 XATTR_CREATE, XATTR_REPLACE = 1, 2
 
@@ -616,4 +618,12 @@ class FileSystem:
 
     async def aclose(self) -> None:
         await self.files.close_all()
+        view = self.views.get(0)
+        if view is not None and self.defers_free(view):
+            # files let go of here: freed now if no other mount lives (else by the
+            # others' sweeps, after the grace)
+            try:
+                await self.files.reap_orphans(view)
+            except FsError as e:
+                log.warning("could not free the files unlinked here: %s", e)
 

@@ -109,6 +109,7 @@ class Watcher:
                     if started:  # changes may have been missed while it was down
                         await self.fs.views.refresh()
                         await self._notify("invalidate_view", None)
+                        await self.fs.files.claim_open()
                     else:
                         started = True
                         task_status.started()

@@ -85,6 +85,12 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                     nursery.start_soon(session.confirm_devices, fs)
                 nursery.start_soon(_signals)
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
+                # release what is still open while this mount's m/ record lives: once
+                # it is gone, other mounts free the files it holds unlinked
+                try:
+                    await fs.files.close_all()
+                except FsError as e:
+                    log.warning("storing the files still open failed: %s", e)
                 nursery.cancel_scope.cancel()
         finally:
             pyfuse3.close(unmount=True)

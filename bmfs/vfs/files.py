@@ -173,9 +173,12 @@ class Files:
         # mount deletes a file it unlinks at once (it does not know of opens here), so
         # only these can need freeing at release.
         self.orphaned: dict[tuple[int, int], int] = {}
-        # (layer, ino) of orphan records in frozen layers whose inode this mount has
-        # freed in its tree (_free_if_orphan): the sweeps pass them by
-        self._freed_here: set[tuple[int, int]] = set()
+        # (tree's top layer, layer, ino) of orphan records in frozen layers whose inode
+        # this mount has freed in that tree (_free_if_orphan): its sweeps pass them by
+        self._freed_here: set[tuple[int, int, int]] = set()
+        # (layer, ino) of records this mount made unclaimed itself (its unlink, its last
+        # close): with no other mount alive, freed without the grace (_sweep_shared)
+        self._let_go: set[tuple[int, int]] = set()
         # (layer, ino, record) -> trio time this mount first saw it unclaimed
         self._unclaimed_since: dict[tuple[int, int, bytes], float] = {}
         # (view id, ino, chunk) -> slices its list kept at its last compaction here: the
@@ -201,6 +204,7 @@ class Files:
             del self.orphaned[(view.id, ino)]
             if self.fs.defers_free(view):
                 await self._set_holders(view, ino, lay, drop=self.fs.mount_id)
+                self.let_go(lay, ino)
             elif self.fs.shared and ORPHAN_GRACE is not None:
                 # (a branch under /.bm: freed now unless a mount of that branch claimed
                 # it meanwhile, which then lets it go in its turn)
@@ -508,7 +512,7 @@ class Files:
                 # it, nameless inode and all. The record stays for those trees (fsck,
                 # a mount of that branch frees its own copy) and goes with the layer
                 # (branches.collect_layers); this tree's copy is gone now.
-                self._freed_here.add((at, ino))
+                self._freed_here.add((chain.top, at, ino))
             return True
         while not await self.fs.mutate(view, fn):
             pass
@@ -528,7 +532,7 @@ class Files:
             live.discard(self.fs.mount_id)
         for k, owner in await self.kv.range(prefix, prefix + b"\xff"):
             lay, ino = (int(x, 16) for x in k[2:].split(b"/"))
-            if lay not in view.chain.layers or (lay, ino) in self._freed_here:
+            if lay not in view.chain.layers or (view.chain.top, lay, ino) in self._freed_here:
                 continue
             if shared:
                 n += await self._sweep_shared(view, lay, ino, owner, now, seen, live)
@@ -562,15 +566,23 @@ class Files:
             if owner in live:
                 return 0  # its mount frees it (one mount's frees, not every mount's)
             first = seen[(lay, ino, record)] = self._unclaimed_since.get((lay, ino, record), now)
-            if live and now - first < ORPHAN_GRACE:
+            # (alone, a file this mount let go of is nobody's: one it took over from
+            # holders that seemed dead waits, as their records may just be late)
+            alone = not live and (lay, ino) in self._let_go
+            if not alone and now - first < ORPHAN_GRACE:
                 return 0
             await self._free_if_orphan(view, ino, lay, expect=record)
+            self._let_go.discard((lay, ino))
             return 1
         if any(h in live for h in named):
             return 0  # held by a live mount
         # every holder is gone (died, or this mount without a handle now)
         await self._set_holders(view, ino, lay, expect=record, drop=me)
         return 0
+
+    def let_go(self, lay: int, ino: int) -> None:
+        """This mount made the orphan record of (``lay``, ``ino``) unclaimed itself."""
+        self._let_go.add((lay, ino))
 
     async def claim_open(self) -> None:
         """Claim the orphan records of every file open here that do not name this
@@ -580,7 +592,10 @@ class Files:
             return
         for k, record in await self.kv.range(b"o/", b"o0"):
             lay, ino = (int(x, 16) for x in k[2:].split(b"/"))
-            await self.claim_if_open(lay, ino, record)
+            try:
+                await self.claim_if_open(lay, ino, record)
+            except FsError as e:  # the sweep tries again
+                log.warning("could not claim orphan inode %d: %s", ino, e)
 
     async def claim_if_open(self, lay: int, ino: int, record: bytes) -> None:
         """The orphan record of (``lay``, ``ino``) now says ``record`` (another mount

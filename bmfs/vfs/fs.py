@@ -349,6 +349,7 @@ class FileSystem:
             # another mount may hold it open: freed by the sweep unless one claims it
             await ns.put_inode(txn, chain, ino, i)
             txn.put(keys.orphan(chain.top, ino), unclaimed(self.mount_id))
+            self.files.let_go(chain.top, ino)  # (harmless if this try fails)
         else:
             self.freed(view, ino, i)
             await ns.delete_inode(txn, chain, ino, i)

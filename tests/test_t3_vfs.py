@@ -569,3 +569,36 @@ def test_unlinked_while_open_then_snapshot(tmp_path):
     async def again(fs):  # the next mount's start sweep
         assert len(await fs.kv.range(b"o/", b"o0")) == 1
     run(again, tmp_path)
+
+
+def test_deleting_a_snapshot_gives_back_what_only_it_held(tmp_path):
+    """A snapshot pins the data of files changed or deleted in main after it. Deleting
+    the snapshot gives that data back: its layer stays under main's, but the versions
+    main's next layer hides are deleted (prune_shadowed). What main still shows
+    (a file untouched since, a file rewritten since) reads the same. Before, the
+    stripes stayed until main itself was deleted."""
+    async def t(fs):
+        kept = os.urandom(5 << 20)
+        await write_file(fs, ROOT, b"kept", kept)
+        await write_file(fs, ROOT, b"deleted", os.urandom(8 << 20))
+        rewritten = await write_file(fs, ROOT, b"rewritten", os.urandom(8 << 20))
+        await br.op_snapshot_create(fs.kv, "s")
+        await fs.views.refresh()
+        await fs.unlink(ROOT, b"deleted")
+        new = os.urandom(8 << 20)
+        fh = await fs.open(rewritten, os.O_RDWR | os.O_TRUNC)
+        await fs.files.write(fh, 0, new)
+        await fs.files.release(fh)
+        await fs.volume_gc()
+        pinned = len(await fs.kv.range(b"t/", b"t0"))
+        await br.op_snapshot_delete(fs.kv, "s")
+        await fs.views.refresh()
+        await fs.volume_gc()
+        left = len(await fs.kv.range(b"t/", b"t0"))
+        # the deleted file's and the rewritten file's old stripes: 4 MiB each, 4 of them
+        assert pinned - left == 4, (pinned, left)
+        assert await read_file(fs, (await fs.lookup(ROOT, b"kept")).ino) == kept
+        assert await read_file(fs, rewritten) == new
+        with raises(errno.ENOENT):
+            await fs.lookup(ROOT, b"deleted")
+    run(t, tmp_path)

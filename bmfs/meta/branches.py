@@ -21,7 +21,7 @@ import json
 import re
 import stat
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 
 from ..errors import Busy, Exists, FsError, Invalid, NotFound, Perm
 from ..kv import prefix_end
@@ -207,10 +207,12 @@ async def live_layers(kv) -> set[int]:
 
 
 async def collect_layers(kv, batch: int = 500) -> int:
-    """Delete every layer no branch or snapshot uses, with its keys and references."""
+    """Delete every layer no branch or snapshot uses, with its keys and references;
+    then the versions that layers kept under another hide (prune_shadowed)."""
     live = await live_layers(kv)
     dead = {int(k[2:], 16) for k, _ in await kv.range(b"y/", b"y0")} - live
     if not dead:
+        await prune_shadowed(kv)
         return 0
     for prefix in keys.LAYERED_PREFIXES:
         start = prefix
@@ -228,7 +230,86 @@ async def collect_layers(kv, batch: int = 500) -> int:
         for k, _ in await kv.range(b"o/%08x/" % lay, b"o/%08x0" % lay):
             txn.delete(k)
         await kv.commit(txn)
+    await prune_shadowed(kv)
     return len(dead)
+
+
+async def prune_shadowed(kv, batch: int = 100) -> int:
+    """Delete the versions that no tree can see any more: those of a frozen layer
+    that no branch or snapshot names and that has one child layer, where the child
+    has a version of the same key (a value or a tombstone). Every tree that goes
+    through such a layer goes through its child first, which hides them.
+
+    What this gives back: a snapshot pins the versions of its layer; once it is
+    deleted, its layer stays in main's chain (main's layers are stacked on it), and
+    without this the data of every file changed or deleted since would stay taken.
+    A layer's child only ever keeps hiding what it hides (a key written there is
+    replaced or tombstoned, never removed while a lower layer has a version), so
+    this is safe while mounts write. Returns the number of versions deleted.
+    (``batch`` versions a transaction: a slice list's stripes cost ~2 operations
+    each, and etcd's --max-txn-ops bounds a transaction.)"""
+    parents, heads = {}, set()
+    for k, v in await kv.range(b"y/", b"y0"):
+        parents[int(k[2:], 16)] = json.loads(v).get("parent")
+    for prefix, field in ((b"b/", "head"), (b"n/", "layer")):
+        for _, v in await kv.range(prefix, prefix_end(prefix)):
+            heads.add(json.loads(v)[field])
+    children = defaultdict(list)
+    for lay, parent in parents.items():
+        if parent is not None:
+            children[parent].append(lay)
+    child = {lay: kids[0] for lay, kids in children.items()
+             if len(kids) == 1 and lay not in heads}
+    if not child:
+        return 0
+    dropped = 0
+    for prefix in keys.LAYERED_PREFIXES:
+        start = prefix
+        while True:
+            rows = await kv.range(start, prefix_end(prefix), 10000)
+            present = {k for k, _ in rows}
+            doomed = []
+            for k, v in rows:
+                if k[-9:-8] != b"@":
+                    continue
+                c = child.get(int(k[-8:], 16))
+                if c is not None and k[:-8] + b"%08x" % c in present:
+                    doomed.append((k, v))
+            for i in range(0, len(doomed), batch):
+                dropped += await _drop_shadowed(kv, doomed[i:i + batch], child)
+            if len(rows) < 10000:
+                break
+            # (a key's versions are adjacent: the next page starts at the last key's
+            # first version, so no version is judged without its child's)
+            start = rows[-1][0][:-8] + b"00000000"
+            if start <= rows[0][0]:
+                start = rows[-1][0] + b"\x00"
+    return dropped
+
+
+async def _drop_shadowed(kv, rows, child: dict) -> int:
+    """_drop_keys for versions hidden by their layer's child (checked again in the
+    transaction), with the orphan record of a hidden inode."""
+    n = 0
+
+    async def fn(txn):
+        nonlocal n
+        n = 0
+        for k, _ in rows:
+            lay = int(k[-8:], 16)
+            if await txn.get(k[:-8] + b"%08x" % child[lay]) is None:
+                continue
+            cur = await txn.get(k)
+            if cur is None:
+                continue
+            txn.delete(k)
+            n += 1
+            if k.startswith(b"c/") and cur[:1] == keys.LIVE:
+                await adjust_refs(txn, {s.sid for s in unpack_slices(cur[1:])}, -1)
+            elif k.startswith(b"i/"):
+                txn.delete(keys.orphan(lay, int(k[2:18], 16)))
+    await kv.transact(fn)
+    return n
 
 
 async def _drop_keys(kv, rows):

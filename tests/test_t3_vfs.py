@@ -602,3 +602,27 @@ def test_deleting_a_snapshot_gives_back_what_only_it_held(tmp_path):
         with raises(errno.ENOENT):
             await fs.lookup(ROOT, b"deleted")
     run(t, tmp_path)
+
+
+def test_prune_keeps_an_open_unlinked_file(tmp_path):
+    """A file unlinked while open, a snapshot taken, the open file written again (a
+    new version of its inode above the snapshot's), the snapshot deleted: the prune
+    drops the hidden old version but not the orphan record the open file still
+    needs (fsck would name the inode, and nothing would free it)."""
+    async def t(fs):
+        fh, a = await fs.create_file(ROOT, b"f", 0o644, os.O_RDWR, 0, 0)
+        await fs.files.write(fh, 0, b"before" * 1000)
+        await fs.files.flush(fh)
+        await fs.unlink(ROOT, b"f")
+        await br.op_snapshot_create(fs.kv, "s")
+        await fs.views.refresh()
+        await fs.files.write(fh, 0, b"after!")
+        await fs.files.flush(fh)
+        await br.op_snapshot_delete(fs.kv, "s")
+        await fs.views.refresh()
+        assert len(await fs.kv.range(b"o/", b"o0")) == 1
+        assert (await fs.files.read(fh, 0, 12)) == b"after!before"
+        await fs.files.release(fh)
+        with raises(errno.ENOENT):
+            await fs.getattr(a.ino)
+    run(t, tmp_path)

@@ -18,6 +18,7 @@ nothing changes unless a strategy (``theirs``/``ours``) says which side wins.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import stat
 import time
@@ -30,6 +31,7 @@ from .layers import Chain, lget, lput, ldel, lscan
 from .namespace import ROOT, adjust_refs, put_chunk
 from .records import Inode, unpack_dentry, unpack_slices
 
+log = logging.getLogger(__name__)
 TOUCHED = "_touched"  # result key: (branch, SUBs whose visible value changed); not sent
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}$")
 
@@ -212,7 +214,7 @@ async def collect_layers(kv, batch: int = 500) -> int:
     live = await live_layers(kv)
     dead = {int(k[2:], 16) for k, _ in await kv.range(b"y/", b"y0")} - live
     if not dead:
-        await prune_shadowed(kv)
+        await _prune(kv)
         return 0
     for prefix in keys.LAYERED_PREFIXES:
         start = prefix
@@ -230,8 +232,17 @@ async def collect_layers(kv, batch: int = 500) -> int:
         for k, _ in await kv.range(b"o/%08x/" % lay, b"o/%08x0" % lay):
             txn.delete(k)
         await kv.commit(txn)
-    await prune_shadowed(kv)
+    await _prune(kv)
     return len(dead)
+
+
+async def _prune(kv) -> None:
+    """prune_shadowed after a branch operation that has committed: a failure is
+    logged (the next one prunes what this one left), not raised."""
+    try:
+        await prune_shadowed(kv)
+    except FsError as e:
+        log.warning("could not prune the versions deleted trees left hidden: %s", e)
 
 
 async def prune_shadowed(kv, batch: int = 100) -> int:
@@ -248,6 +259,10 @@ async def prune_shadowed(kv, batch: int = 100) -> int:
     this is safe while mounts write. Returns the number of versions deleted.
     (``batch`` versions a transaction: a slice list's stripes cost ~2 operations
     each, and etcd's --max-txn-ops bounds a transaction.)"""
+    # every new layer (branch, snapshot, reset, merge) bumps this counter: read before
+    # the layer graph and again in each deleting transaction, a change stops the prune
+    # (the graph it worked from may miss a child or a head; the next one redoes it)
+    counter = await kv.get(keys.counter("layer"))
     parents, heads = {}, set()
     for k, v in await kv.range(b"y/", b"y0"):
         parents[int(k[2:], 16)] = json.loads(v).get("parent")
@@ -276,7 +291,10 @@ async def prune_shadowed(kv, batch: int = 100) -> int:
                 if c is not None and k[:-8] + b"%08x" % c in present:
                     doomed.append((k, v))
             for i in range(0, len(doomed), batch):
-                dropped += await _drop_shadowed(kv, doomed[i:i + batch], child)
+                n = await _drop_shadowed(kv, doomed[i:i + batch], child, counter)
+                if n is None:
+                    return dropped
+                dropped += n
             if len(rows) < 10000:
                 break
             # (a key's versions are adjacent: the next page starts at the last key's
@@ -287,17 +305,22 @@ async def prune_shadowed(kv, batch: int = 100) -> int:
     return dropped
 
 
-async def _drop_shadowed(kv, rows, child: dict) -> int:
+async def _drop_shadowed(kv, rows, child: dict, counter) -> int | None:
     """_drop_keys for versions hidden by their layer's child (checked again in the
-    transaction), with the orphan record of a hidden inode."""
+    transaction); None, with nothing deleted, if a layer was made since ``counter``.
+    A hidden inode's orphan record goes only if the child's version is a tombstone
+    (else the tree still has the nameless inode: unlinked, still open)."""
     n = 0
 
     async def fn(txn):
         nonlocal n
         n = 0
+        if await txn.get(keys.counter("layer")) != counter:
+            return False
         for k, _ in rows:
             lay = int(k[-8:], 16)
-            if await txn.get(k[:-8] + b"%08x" % child[lay]) is None:
+            above = await txn.get(k[:-8] + b"%08x" % child[lay])
+            if above is None:
                 continue
             cur = await txn.get(k)
             if cur is None:
@@ -306,10 +329,10 @@ async def _drop_shadowed(kv, rows, child: dict) -> int:
             n += 1
             if k.startswith(b"c/") and cur[:1] == keys.LIVE:
                 await adjust_refs(txn, {s.sid for s in unpack_slices(cur[1:])}, -1)
-            elif k.startswith(b"i/"):
+            elif k.startswith(b"i/") and above[:1] == keys.TOMBSTONE:
                 txn.delete(keys.orphan(lay, int(k[2:18], 16)))
-    await kv.transact(fn)
-    return n
+        return True
+    return n if await kv.transact(fn) else None
 
 
 async def _drop_keys(kv, rows):
@@ -750,6 +773,14 @@ class _Merge:
                        for s in self._planned.get(ino, ()))
 
 
+async def _source_unchanged(txn, kind: str, name: str, chain: Chain) -> None:
+    """Busy unless snapshot ``name`` still names ``chain``'s top layer (read in the
+    transaction: deleted meanwhile, its layer's hidden versions may be pruned)."""
+    rec = await _load(txn, keys.snapshot(name))
+    if rec is None or rec["layer"] != chain.top:
+        raise Busy(f"snapshot {name!r} changed during the merge; try again")
+
+
 async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> dict:
     if strategy not in (None, "theirs", "ours"):
         raise Invalid("strategy is theirs or ours")
@@ -770,8 +801,11 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
                 raise Busy(f"branch {into!r} changed during the merge; try again")
             if skind == "branch":
                 srec = await _load(txn, keys.branch(source))
+                if srec is None or srec["head"] != cs.top:
+                    raise Busy(f"branch {source!r} changed during the merge; try again")
                 frozen = await _freeze(txn, source, srec)
             else:
+                await _source_unchanged(txn, skind, source, cs)
                 frozen = cs.top
             rec["head"] = await _new_layer(txn, frozen)
             txn.put(keys.branch(into), json.dumps(rec).encode())
@@ -789,6 +823,8 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
         rec = await _load(txn, keys.branch(into))
         if rec["head"] != ct.top:
             raise Busy(f"branch {into!r} changed during the merge; try again")
+        if skind == "snapshot":  # (a branch's layers below its head stay as they are)
+            await _source_unchanged(txn, skind, source, cs)
         m = _Merge(txn, kv, cs, base, ct, strategy, dsubs)
         await m.by_key(subs)
         await m.settle()

@@ -200,11 +200,19 @@ async def op_branch_reset(kv, name: str, to: str) -> dict:
 
 
 # -- layer garbage collection -------------------------------------------------------------
-async def live_layers(kv) -> set[int]:
-    live = set()
+async def _heads(kv) -> set[int]:
+    """The layers branches (their heads) and snapshots name."""
+    heads = set()
     for prefix, field in ((b"b/", "head"), (b"n/", "layer")):
         for _, v in await kv.range(prefix, prefix_end(prefix)):
-            live.update((await _chain(kv, json.loads(v)[field], None)).layers)
+            heads.add(json.loads(v)[field])
+    return heads
+
+
+async def live_layers(kv) -> set[int]:
+    live = set()
+    for head in await _heads(kv):
+        live.update((await _chain(kv, head, None)).layers)
     return live
 
 
@@ -263,12 +271,10 @@ async def prune_shadowed(kv, batch: int = 100) -> int:
     # the layer graph and again in each deleting transaction, a change stops the prune
     # (the graph it worked from may miss a child or a head; the next one redoes it)
     counter = await kv.get(keys.counter("layer"))
-    parents, heads = {}, set()
+    parents = {}
     for k, v in await kv.range(b"y/", b"y0"):
         parents[int(k[2:], 16)] = json.loads(v).get("parent")
-    for prefix, field in ((b"b/", "head"), (b"n/", "layer")):
-        for _, v in await kv.range(prefix, prefix_end(prefix)):
-            heads.add(json.loads(v)[field])
+    heads = await _heads(kv)
     children = defaultdict(list)
     for lay, parent in parents.items():
         if parent is not None:
@@ -299,9 +305,10 @@ async def prune_shadowed(kv, batch: int = 100) -> int:
                 break
             # (a key's versions are adjacent: the next page starts at the last key's
             # first version, so no version is judged without its child's)
-            start = rows[-1][0][:-8] + b"00000000"
+            last = rows[-1][0]
+            start = last[:-8] + b"00000000" if last[-9:-8] == b"@" else last + b"\x00"
             if start <= rows[0][0]:
-                start = rows[-1][0] + b"\x00"
+                start = last + b"\x00"
     return dropped
 
 
@@ -773,7 +780,7 @@ class _Merge:
                        for s in self._planned.get(ino, ()))
 
 
-async def _source_unchanged(txn, kind: str, name: str, chain: Chain) -> None:
+async def _source_unchanged(txn, name: str, chain: Chain) -> None:
     """Busy unless snapshot ``name`` still names ``chain``'s top layer (read in the
     transaction: deleted meanwhile, its layer's hidden versions may be pruned)."""
     rec = await _load(txn, keys.snapshot(name))
@@ -805,7 +812,7 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
                     raise Busy(f"branch {source!r} changed during the merge; try again")
                 frozen = await _freeze(txn, source, srec)
             else:
-                await _source_unchanged(txn, skind, source, cs)
+                await _source_unchanged(txn, source, cs)
                 frozen = cs.top
             rec["head"] = await _new_layer(txn, frozen)
             txn.put(keys.branch(into), json.dumps(rec).encode())
@@ -824,7 +831,7 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
         if rec["head"] != ct.top:
             raise Busy(f"branch {into!r} changed during the merge; try again")
         if skind == "snapshot":  # (a branch's layers below its head stay as they are)
-            await _source_unchanged(txn, skind, source, cs)
+            await _source_unchanged(txn, source, cs)
         m = _Merge(txn, kv, cs, base, ct, strategy, dsubs)
         await m.by_key(subs)
         await m.settle()

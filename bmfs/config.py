@@ -1,6 +1,7 @@
 """Configuration: volume-wide settings (stored in the metadata) and per-mount options."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -42,6 +43,25 @@ class MountOptions:
 
 MAX_NAME = 255
 MAX_FILE_SIZE = (1 << 63) - 1  # what the kernel allows (it answers EFBIG beyond)
+
+
+def microseconds_setting(name: str, default_us: float, environ=os.environ) -> float:
+    """Seconds from the environment variable ``name`` (microseconds, from 0 to 100000;
+    0 turns the thing it sets off), else ``default_us``; a bad value is logged and
+    the default used (a mount must not fail over a tuning knob)."""
+    raw = environ.get(name)
+    if raw is None:
+        return default_us / 1e6
+    try:
+        us = float(raw)
+        if not 0 <= us <= 100_000:
+            raise ValueError
+    except ValueError:
+        logging.getLogger(__name__).warning(
+            "%s=%r is not a number of microseconds from 0 to 100000; using %g",
+            name, raw, default_us)
+        us = default_us
+    return us / 1e6
 
 
 def default_volume() -> str:

@@ -338,6 +338,29 @@ def test_syncfs_after_files_are_gone(mnt):
     assert_fsck_clean(mnt.volume)
 
 
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_mount_left_idle_after_a_burst_uses_no_cpu(volume, tmp_path, monkeypatch):
+    """With BMFS_IDLE_SPIN_US the daemon keeps its event loop awake for a moment between
+    back-to-back requests (fuse/idle.py); once they stop, it must sleep again, not
+    burn a CPU for nothing. Lookups of a missing name are requests every time
+    (nothing caches them)."""
+    import time
+    monkeypatch.setenv("BMFS_IDLE_SPIN_US", "300")
+    with Mounted(volume, tmp_path / "mnt") as mnt:
+        missing = os.path.join(mnt.mp, "not-there")
+        for _ in range(3000):
+            assert not os.path.exists(missing)
+        before = _cpu_seconds(mnt.pid)
+        time.sleep(1.0)
+        assert _cpu_seconds(mnt.pid) - before < 0.2
+        assert os.listdir(mnt.mp) == []
+
+
 def test_mount_t_fuse_bmfs_and_fstab(volume, tmp_path):
     """`mount -t fuse.bmfs VOLUME DIR` and an fstab line (mount.fuse.bmfs helper)."""
     if not os.path.exists("/sbin/mount.fuse.bmfs"):

@@ -4,7 +4,9 @@
 Used by tools/bench as the reference target: it does the least work a pyfuse3 + trio
 daemon can do per request (a dict of inodes, one bytearray per file), with the same
 kernel-side settings as a bmfs mount (writeback cache, default_permissions, allow_other,
-1 s attribute/entry timeouts). Whatever bmfs loses against it is bmfs's own cost.
+1 s attribute/entry timeouts), and it stays awake between back-to-back requests as a
+bmfs mount does (bmfs/fuse/idle.py, BMFS_IDLE_SPIN_US: the same code and setting).
+Whatever bmfs loses against it is bmfs's own cost.
 
     python tools/memfs.py MOUNTPOINT [--timeout SECONDS]
 
@@ -278,7 +280,7 @@ class MemFS(pyfuse3.Operations):
         return s
 
 
-async def _serve():
+async def _serve(idle):
     async with trio.open_nursery() as nursery:
         async def on_signal():
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as s:
@@ -286,6 +288,7 @@ async def _serve():
                     pyfuse3.terminate()
                     return
         nursery.start_soon(on_signal)
+        nursery.start_soon(idle.run)
         await pyfuse3.main(min_tasks=4, max_tasks=64)
         nursery.cancel_scope.cancel()
 
@@ -300,12 +303,17 @@ def main(argv=None) -> int:
 
 
 def serve(fs, mountpoint: str, name: str) -> int:
-    """Mount ``fs`` with bmfs's mount options and serve it until unmounted."""
+    """Mount ``fs`` with bmfs's mount options and serve it until unmounted, staying
+    awake between back-to-back requests as a bmfs mount does (BMFS_IDLE_SPIN_US:
+    bmfs/fuse/idle.py), so that neither gains on the other by it."""
+    from bmfs.fuse.idle import IdleSpin, idle_spin_setting, watch_handlers
+    idle = IdleSpin(idle_spin_setting())
+    watch_handlers(fs, idle)
     options = set(pyfuse3.default_options)
     options |= {f"fsname={name}", f"subtype={name}", "default_permissions", "allow_other"}
     pyfuse3.init(fs, mountpoint, options)
     try:
-        trio.run(_serve)
+        trio.run(_serve, idle)
     finally:
         pyfuse3.close(unmount=True)
     return 0

@@ -28,6 +28,7 @@ from ..vfs import gc, session
 from ..vfs.fs import FileSystem
 from ..vfs.volume import Volume
 from ..vfs.watch import Watcher, watch_devices
+from .idle import idle_spin_setting
 from .ops import Operations
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
         fs = await FileSystem.create(volume, opts.branch)
         shared = hasattr(volume.kv, "grant_lease")  # etcd: other mounts change devices
         volume.kv.enable_write_behind()  # etcd: commit behind (docs/etcd.md)
-        ops = Operations(fs, opts.attr_timeout)
+        ops = Operations(fs, opts.attr_timeout, idle_spin_setting())
         fuse_options = set(pyfuse3.default_options)
         fuse_options.discard("default_permissions")
         fuse_options |= {f"fsname=bmfs:{os.path.abspath(volume_path)}", "subtype=bmfs",
@@ -84,6 +85,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                     nursery.start_soon(watch_devices, fs)
                     nursery.start_soon(session.confirm_devices, fs)
                 nursery.start_soon(_signals)
+                nursery.start_soon(ops.idle.run)
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
                 # release what is still open while this mount's m/ record lives: once
                 # it is gone, other mounts free the files it holds unlinked

@@ -19,6 +19,7 @@ import trio
 from ..errors import FsError
 from ..vfs.fs import Attr
 from ..vfs.views import CTL_FILE, VIEW_SHIFT
+from .idle import IdleSpin
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,15 @@ def _log_nospace(op: str, e: Exception, every: float = 10.0) -> None:
 
 
 def translate(fn):
+    """An Operations handler that raises only FUSEError (domain errors through their
+    errno, anything else logged and EIO), and tells the idle spin (fuse/idle.py) when
+    a request starts and ends."""
     @functools.wraps(fn)
-    async def wrapper(*args, **kw):
+    async def wrapper(self, *args, **kw):
+        idle = self.idle
+        idle.begin()
         try:
-            return await fn(*args, **kw)
+            return await fn(self, *args, **kw)
         except FsError as e:
             if e.errno == errno.EIO:  # the metadata store or devices failed: say why
                 log.warning("%s: %s", fn.__name__, e)
@@ -83,6 +89,8 @@ def translate(fn):
         except Exception:
             log.exception("internal error in %s", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO)
+        finally:
+            idle.end()
     return wrapper
 
 
@@ -224,9 +232,10 @@ class KernelNotifier:
 class Operations(pyfuse3.Operations):
     enable_writeback_cache = True
 
-    def __init__(self, fs, timeout: float = 1.0):
+    def __init__(self, fs, timeout: float = 1.0, idle_spin: float = 0.0):
         super().__init__()
         self.fs = fs
+        self.idle = IdleSpin(idle_spin)  # its task is the mount's (fuse/mount.py)
         self.notifier = fs.notify = KernelNotifier(fs.files)
         self.timeout = timeout
         self.supports_dot_lookup = True

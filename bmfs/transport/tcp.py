@@ -19,6 +19,7 @@ import time
 
 import trio
 
+from ..config import microseconds_setting
 from ..node.protocol import Connection, ProtocolError, client_handshake
 from ..wire import node_pb2 as pb
 from . import DeviceError, TooSlow
@@ -43,16 +44,7 @@ def spin_setting(environ=os.environ) -> float:
     environment's BMFS_SPIN_US (microseconds, 0 turns spinning off), else 500 us.
     Spinning wins where waking a sleeping CPU is slow (VMs: docs/architecture.md);
     on bare metal it buys less for the CPU it burns."""
-    raw = environ.get("BMFS_SPIN_US", "500")
-    try:
-        us = float(raw)
-        if not 0 <= us <= 100_000:
-            raise ValueError
-    except ValueError:
-        log.warning("BMFS_SPIN_US=%r is not a number of microseconds from 0 to 100000; "
-                    "using 500", raw)
-        us = 500.0
-    return us / 1e6
+    return microseconds_setting("BMFS_SPIN_US", 500, environ)
 
 
 SPIN = spin_setting()

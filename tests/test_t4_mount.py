@@ -352,6 +352,8 @@ def test_a_mount_left_idle_after_a_burst_uses_no_cpu(volume, tmp_path, monkeypat
     import time
     monkeypatch.setenv("BMFS_IDLE_SPIN_US", "300")
     with Mounted(volume, tmp_path / "mnt") as mnt:
+        with open(f"/proc/{mnt.pid}/environ", "rb") as f:  # (the daemon spins)
+            assert b"BMFS_IDLE_SPIN_US=300" in f.read().split(b"\0")
         missing = os.path.join(mnt.mp, "not-there")
         for _ in range(3000):
             assert not os.path.exists(missing)

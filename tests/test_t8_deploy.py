@@ -191,6 +191,19 @@ def _wait_for_line(path, text, timeout=20.0):
         time.sleep(0.2)
 
 
+def _write_once_devices_are_up(path, data: bytes, timeout: float = 30.0) -> None:
+    """Write ``path``, again while it fails with ENOSPC: the mount takes devices just
+    added up through its watch."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            path.write_bytes(data)
+            return
+        except OSError as err:
+            assert err.errno == errno.ENOSPC and time.monotonic() < deadline
+            time.sleep(0.5)
+
+
 def _drop_caches():
     subprocess.run(["sync"])
     with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -213,6 +226,7 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
     root = tmp_path
     etc = root / "etc" / "bmfs"
     etc.mkdir(parents=True)
+    etcd_cluster.wipe()  # (shared with the other tests of the module)
     vol = root / "vol"
     r = bmfs("mkfs", vol, "--on-nodes", "--meta", etcd_cluster.url)
     assert "bmfs node add" in r.stdout and "bmfs node serve" in r.stdout
@@ -265,14 +279,7 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
             add(4)
             add(5)
             data = os.urandom(40 << 20)
-            deadline = time.monotonic() + 30
-            while True:  # the mount takes the new devices up through its watch
-                try:
-                    (mp / "big").write_bytes(data)
-                    break
-                except OSError as err:
-                    assert err.errno == errno.ENOSPC and time.monotonic() < deadline
-                    time.sleep(0.5)
+            _write_once_devices_are_up(mp / "big", data)
             with Mounted(vol, root / "other"):  # another machine's mount
                 assert (root / "other" / "big").read_bytes() == data
                 assert (root / "other" / "small").read_bytes() == b"fits in the metadata"
@@ -366,3 +373,198 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
     # the nodes end on SIGTERM (not killed after the timeout); 1 and 4 were killed -9
     assert all(s in (0, -signal.SIGTERM) for i, s in enumerate(statuses) if i not in (1, 4)), \
         statuses
+
+
+KUBE = os.path.join(os.path.dirname(__file__), "..", "mount", "kubernetes", "bmfs.yaml")
+
+
+class Pod:
+    """A container of a DaemonSet in mount/kubernetes/bmfs.yaml, carried out on this
+    machine as a process (there is no Kubernetes here): ``$(VAR)`` in its command is
+    expanded from its env (fieldRefs from ``fields``, configMapKeyRefs from
+    ``config``), and each volumeMount's path is replaced by the directory standing for
+    the volume on this "machine" (``host``: a hostPath's path under it; a Secret's
+    files in ``secrets[name]``). /dev/fuse is this machine's."""
+
+    def __init__(self, spec: dict, host, fields: dict, config: dict, secrets: dict):
+        self.spec, self.host = spec, host
+        self.fields, self.config, self.secrets = fields, config, secrets
+        self.volumes = {v["name"]: v for v in spec["volumes"]}
+
+    def _path(self, volume: str):
+        v = self.volumes[volume]
+        if "secret" in v:
+            return self.secrets[v["secret"]["secretName"]]
+        path = self.host / v["hostPath"]["path"].lstrip("/")
+        if v["hostPath"].get("type") == "DirectoryOrCreate":
+            path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def command(self, container: dict) -> list[str]:
+        env = {}
+        for e in container.get("env", []):
+            ref = e["valueFrom"]
+            if "fieldRef" in ref:
+                env[e["name"]] = self.fields[ref["fieldRef"]["fieldPath"]]
+            else:
+                env[e["name"]] = self.config[ref["configMapKeyRef"]["key"]]
+        mounts = sorted(((m["mountPath"], self._path(m["name"]))
+                         for m in container["volumeMounts"] if m["mountPath"] != "/dev/fuse"),
+                        key=lambda m: -len(m[0]))
+        out = []
+        for arg in container["command"]:
+            arg = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
+            for mount_path, local in mounts:
+                arg = re.sub(re.escape(mount_path) + r"(?=/|\s|$)", str(local), arg)
+            out.append(arg)
+        if out[0] == "bmfs":
+            out[0] = BMFS_BIN
+        return out
+
+    def run(self, container: dict, log_path):
+        """The container's command as a process (its output to ``log_path``), with
+        this bmfs first on PATH (a shell command's `bmfs`)."""
+        env = dict(os.environ, PATH=os.path.dirname(BMFS_BIN) + os.pathsep + os.environ["PATH"])
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(self.command(container), stdout=log, stderr=log, env=env)
+
+
+def _kube_docs() -> dict:
+    import yaml  # (a test dependency: pyproject.toml)
+    with open(KUBE) as f:
+        return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(f)}
+
+
+def _wait_mounted(mp, proc, log_path, timeout: float = 60.0) -> None:
+    """Until a working mount is at ``mp`` (a dead one is listed too: it answers
+    ENOTCONN)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        if is_mounted(mp):
+            try:
+                os.listdir(mp)
+                return
+            except OSError as e:
+                assert e.errno == errno.ENOTCONN, e
+        time.sleep(0.1)
+
+
+def _wait_listening(port: int, proc, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"exited with {proc.returncode}"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on {port}"
+            time.sleep(0.1)
+
+
+def test_the_kubernetes_daemonsets_commands(tmp_path, etcd_cluster):
+    """mount/kubernetes/bmfs.yaml, its containers' commands run as processes (Pod):
+    the steps docs/deploy.md gives (mkfs, the Secret's files, each machine's device
+    formatted under an id of its own), six storage-node pods from one template
+    serving their machines' devices under the ids their directories say, a mount pod
+    whose command prepares the volume directory and mounts, the mount working through
+    a node add per device, a mount container that died detached by its next start, and
+    the preStop unmount ending the mount's process. What Kubernetes alone does
+    (privileged, /dev/fuse, propagation, host networking, the updates) is checked in
+    the manifest."""
+    docs = _kube_docs()
+    node_ds, mount_ds = docs[("DaemonSet", "bmfs-node")], docs[("DaemonSet", "bmfs-mount")]
+    node_spec, mount_spec = node_ds["spec"]["template"]["spec"], mount_ds["spec"]["template"]["spec"]
+    assert node_spec["hostNetwork"] and mount_spec["hostNetwork"]
+    mount_c = mount_spec["containers"][0]
+    assert mount_c["securityContext"]["privileged"] and "initContainers" not in mount_spec
+    state = [m for m in mount_c["volumeMounts"] if m["name"] == "state"][0]
+    assert state["mountPath"] == "/var/lib/bmfs" and state["mountPropagation"] == "Bidirectional"
+    assert {"name": "fuse", "mountPath": "/dev/fuse"} in mount_c["volumeMounts"]
+    assert mount_c["lifecycle"]["preStop"]["exec"]["command"] == \
+        ["bmfs", "umount", "/var/lib/bmfs/bm"]
+    assert mount_spec["terminationGracePeriodSeconds"] >= 120  # (storing written data)
+    assert mount_ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert {v["name"]: v for v in node_spec["volumes"]}["device"]["hostPath"]["type"] == "Directory"
+
+    etcd_cluster.wipe()  # (shared with the other tests of the module)
+    vol = tmp_path / "vol"
+    bmfs("mkfs", vol, "--on-nodes", "--meta", etcd_cluster.url)
+    uuid = json.loads((vol / "volume.json").read_text())["uuid"]
+    secret_dir = tmp_path / "secret-bmfs-volume"  # kubectl create secret --from-file
+    secret_dir.mkdir()
+    for name in ("volume.json", "secret"):
+        shutil.copy(vol / name, secret_dir / name)
+    config = dict(docs[("ConfigMap", "bmfs")]["data"], **{"volume-uuid": uuid,
+                                                           "meta": etcd_cluster.url})
+    secrets = {"bmfs-volume": secret_dir}
+    node_c = node_spec["containers"][0]
+    device_host = {v["name"]: v for v in node_spec["volumes"]}["device"]["hostPath"]["path"]
+    nodes, ports = [], free_ports(6)
+    client = tmp_path / "client"
+    client_pod = Pod(mount_spec, client, {}, config, secrets)
+    bm = client / "var/lib/bmfs/bm"
+    proc = None
+    try:
+        # a device directory not formatted (a disk that did not mount, say) is refused,
+        # with what to do
+        blank = tmp_path / "blank"
+        blank.mkdir()
+        r = bmfs("node", "serve", "--listen", "127.0.0.1:0", "--device", blank,
+                 "--secret-file", secret_dir / "secret", "--volume-uuid", uuid, check=False)
+        assert r.returncode == 2 and "not a formatted device directory" in r.stderr \
+            and "bmfs node format" in r.stderr, r.stderr
+        assert os.listdir(blank) == []
+        for i, port in enumerate(ports):
+            host = tmp_path / f"machine{i}"
+            device = host / device_host.lstrip("/")
+            bmfs("node", "format", "--device", f"{10 + i}={device}", "--volume-uuid", uuid)
+            pod = Pod(node_spec, host, {"spec.nodeName": f"machine{i}",
+                                        "status.hostIP": "127.0.0.1"}, config, secrets)
+            cmd = pod.command(node_c)
+            # (six "machines" on one address: each node gets a port of its own)
+            cmd[cmd.index("127.0.0.1:7000")] = f"127.0.0.1:{port}"
+            with open(tmp_path / f"node{i}.log", "ab") as log:
+                nodes.append(subprocess.Popen(cmd, stdout=log, stderr=log))
+        for port, node in zip(ports, nodes):
+            _wait_listening(port, node)
+        # the mount pod: its command prepares the volume directory, then mounts
+        proc = client_pod.run(mount_c, tmp_path / "mount.log")
+        _wait_mounted(bm, proc, tmp_path / "mount.log")
+        assert (client / "var/lib/bmfs/volume/secret").read_text() == (vol / "secret").read_text()
+        for i, port in enumerate(ports):  # step 4 of the manifest's header
+            bmfs("node", "add", device_host, "--id", 10 + i, "--address",
+                 f"127.0.0.1:{port}", "-m", bm)
+        data = os.urandom(9 << 20)
+        _write_once_devices_are_up(bm / "big", data)
+        _drop_caches()
+        assert (bm / "big").read_bytes() == data
+        status = bmfs("status", bm).stdout
+        for i, port in enumerate(ports):
+            assert f"127.0.0.1:{port}" in status and f"machine{i}" in status
+        # the container dies: started again, its command detaches the dead mount first
+        proc.kill()
+        proc.wait()
+        with pytest.raises(OSError) as e:
+            os.listdir(bm)
+        assert e.value.errno == errno.ENOTCONN
+        proc = client_pod.run(mount_c, tmp_path / "mount.log")
+        _wait_mounted(bm, proc, tmp_path / "mount.log")
+        _drop_caches()
+        assert (bm / "big").read_bytes() == data
+        # the pod stops: preStop unmounts, and the mount's process ends by itself
+        pre_stop = client_pod.command(dict(mount_c, command=mount_c["lifecycle"]["preStop"]
+                                           ["exec"]["command"]))
+        assert subprocess.run(pre_stop, capture_output=True).returncode == 0
+        assert proc.wait(timeout=60) == 0
+        assert not is_mounted(bm)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if is_mounted(bm):
+            subprocess.run(["fusermount3", "-uz", str(bm)])
+        for node in nodes:
+            node.terminate()
+        statuses = [node.wait(timeout=30) for node in nodes]
+    assert all(s in (0, -signal.SIGTERM) for s in statuses), statuses

@@ -17,7 +17,9 @@ def add_parser(sub):
     s = ns.add_parser("serve", help="run a storage node (foreground)")
     s.add_argument("--listen", required=True, help="HOST:PORT")
     s.add_argument("--device", action="append", required=True, metavar="ID=PATH",
-                   help="a device this node owns (repeatable)")
+                   help="a device this node owns (repeatable); a formatted directory may "
+                        "be given as PATH alone: its id is the one it was formatted with "
+                        "(one command line for every machine, e.g. a Kubernetes DaemonSet)")
     s.add_argument("--secret-file", required=True, help="file holding the cluster secret")
     s.add_argument("--volume-uuid", required=True)
     s.add_argument("--name", default=None)
@@ -103,7 +105,7 @@ def run_serve(args) -> int:
         ahost, _, aport = args.advertise.rpartition(":")
         if not ahost or not aport.isdigit() or not 0 < int(aport) < 65536:
             raise UserError(f"--advertise wants HOST:PORT, not {args.advertise!r}")
-    devices = _devices(args)
+    devices = _devices(args, formatted=not args.format)
     if args.format:
         _format_new(devices, args.volume_uuid, args.layout)
     delay = 0.0
@@ -123,12 +125,27 @@ def run_serve(args) -> int:
     return 0
 
 
-def _devices(args) -> dict[int, str]:
+def _devices(args, formatted: bool = False) -> dict[int, str]:
+    """--device ID=PATH options as {id: path}; with ``formatted`` (serving, not
+    formatting) also PATH alone, a formatted directory, under the id it was formatted
+    with."""
     devices = {}
     for d in args.device:
-        ident, _, path = d.partition("=")
-        if not ident.isdigit() or not path:
+        ident, eq, path = d.partition("=")
+        numbered = eq and ident.isascii() and ident.isdigit()
+        if formatted and not numbered and not d.startswith("pmem:") and \
+                (not eq or os.path.isdir(d)):  # (a path may hold "=")
+            from ..errors import VolumeError
+            from ..store.pmem import marker_device
+            try:
+                ident, path = str(marker_device(d)), d
+            except VolumeError as e:
+                raise UserError(f"--device {d}: {e}; format it first (bmfs node format "
+                                f"--device ID={d} --volume-uuid UUID) or give ID=PATH")
+        if not (ident.isascii() and ident.isdigit()) or not path:
             raise UserError(f"--device wants ID=PATH, not {d!r}")
+        if int(ident) in devices:
+            raise UserError(f"--device: device {ident} given twice")
         devices[int(ident)] = path
     return devices
 

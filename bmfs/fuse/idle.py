@@ -15,10 +15,10 @@ The cost is CPU: at most ``window`` of spinning after each answer, and only whil
 requests keep coming faster than that (a program that pauses longer turns it off
 by its first pause). It is off unless BMFS_IDLE_SPIN_US is set in the mount's
 environment (microseconds; 300 is a good start): on this 2-core VM it made one
-program's back-to-back small reads 15-30% faster, but the CPU it burns is taken from
+program's back-to-back small reads 5-15% faster, but the CPU it burns is taken from
 the program itself, the storage nodes and the mount's own threads, and in the
-benchmark's runs other workloads (4 concurrent readers, unlinks, rmdirs) came out
-up to ~20% slower with it (docs/benchmarks.md).
+benchmark's runs other workloads (creates, unlinks, 4 concurrent readers) came
+out 5-9% slower with it (rmdirs up to 18% in a single run) (docs/benchmarks.md).
 """
 from __future__ import annotations
 

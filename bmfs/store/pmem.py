@@ -266,6 +266,30 @@ def open_store(path: str, volume_uuid: str, dev: int):
     return FileStore(path, volume_uuid, dev)
 
 
+def _marker(path: str) -> dict:
+    """The DEVICE marker of device directory ``path``; VolumeError if unreadable."""
+    import json
+    try:
+        with open(os.path.join(path, "DEVICE")) as f:
+            info = json.load(f)
+        if not isinstance(info, dict):
+            raise ValueError("not a JSON object")
+        return info
+    except FileNotFoundError:
+        raise VolumeError(f"{path} is not a formatted device directory (no DEVICE marker)")
+    except (OSError, ValueError) as e:
+        raise VolumeError(f"{path}: unreadable DEVICE marker: {e}")
+
+
+def marker_device(path: str) -> int:
+    """The device id the DEVICE marker of the formatted directory ``path`` names.
+    Raises VolumeError if it has none (not formatted) or it is unreadable."""
+    dev = _marker(path).get("device")
+    if not isinstance(dev, int) or isinstance(dev, bool) or dev < 0:
+        raise VolumeError(f"{path}: its DEVICE marker names no device id")
+    return dev
+
+
 def marker_matches(path: str, volume_uuid: str, dev: int) -> None:
     """VolumeError unless the device directory ``path`` is formatted as device ``dev``
     of volume ``volume_uuid`` (its DEVICE marker read; the store is not opened, which
@@ -273,12 +297,7 @@ def marker_matches(path: str, volume_uuid: str, dev: int) -> None:
     pool file is checked when it is opened to be served."""
     if path.startswith("pmem:"):
         return
-    import json
-    try:
-        with open(os.path.join(path, "DEVICE")) as f:
-            info = json.load(f)
-    except (OSError, ValueError) as e:
-        raise VolumeError(f"{path}: unreadable DEVICE marker: {e}")
+    info = _marker(path)
     if info.get("volume") != volume_uuid or info.get("device") != dev:
         raise VolumeError(f"{path} is device {info.get('device')} of volume "
                           f"{info.get('volume')}, not device {dev} of {volume_uuid}")

@@ -8,6 +8,7 @@ import base64
 import errno
 import json
 import os
+import shutil
 import threading
 import time
 
@@ -411,3 +412,39 @@ def test_deferred_frees_of_a_lone_mount_and_under_a_snapshot(etcd_cluster, tmp_p
         _write(f"{a.mp}/k", b"unlinked just before the unmount")
         os.unlink(f"{a.mp}/k")
     assert len(_orphan_records(etcd_cluster)) == 1  # k's went at the unmount
+
+
+def _revision(cluster) -> int:
+    """etcd's revision now: every committed transaction that writes adds one."""
+    body = {"key": base64.b64encode(b"v/").decode(), "count_only": True}
+    return int(_post(cluster.endpoints[0], "/v3/kv/range", body)["header"]["revision"])
+
+
+def test_deferred_frees_of_many_small_files_go_together(etcd_cluster, tmp_path, monkeypatch):
+    """`rm -rf` of many small files with deferred frees on: the sweep that frees them
+    once the grace is over does so several files a transaction (files.FREE_FILES),
+    not one each (which doubled the transactions `rm -rf` costs etcd)."""
+    from bmfs.meta.keys import CHUNK_SIZE
+    from bmfs.vfs.files import FREE_FILE_CHUNKS, FREE_FILES
+    monkeypatch.setenv("BMFS_ORPHAN_GRACE", "3")
+    n = 3 * FREE_FILES
+    with etcd_volume(etcd_cluster, tmp_path, 2) as (a, b):
+        os.mkdir(f"{a.mp}/d")
+        for i in range(n):
+            _write(f"{a.mp}/d/f{i}", os.urandom(100 + i))
+        _write(f"{a.mp}/d/big", os.urandom(9 << 20))  # stripes on the devices
+        with open(f"{a.mp}/d/wide", "wb") as f:  # 5 chunks: too many to go with others
+            for c in range(FREE_FILE_CHUNKS + 1):
+                f.seek(c * CHUNK_SIZE)
+                f.write(b"w" * 4096)
+        wait_until(lambda: len(os.listdir(f"{b.mp}/d")) == n + 2, 10)
+        shutil.rmtree(f"{b.mp}/d")
+        wait_until(lambda: len(_orphan_records(etcd_cluster)) == n + 2, 10, step=0.05)
+        before = _revision(etcd_cluster)
+        wait_until(lambda: not _orphan_records(etcd_cluster), 3 + 2 * GC_INTERVAL + 10,
+                   step=0.2)
+        spent = _revision(etcd_cluster) - before
+        # 4 groups, and the wide file by itself: 5 transactions, where one a file took
+        # n + 2; a little room for other writes meanwhile
+        assert spent <= 5 + 4, spent
+        assert os.listdir(a.mp) == [] and os.listdir(b.mp) == []

@@ -377,6 +377,7 @@ class Operations(pyfuse3.Operations):
                 break
             self.notifier.saw(self._dir_ino.get(fh, 0), name, a)
 
+    @translate
     async def releasedir(self, fh):
         self._dirs.pop(fh, None)
         self._dir_ino.pop(fh, None)
@@ -413,6 +414,7 @@ class Operations(pyfuse3.Operations):
     async def removexattr(self, inode, name, ctx):
         await self.fs.removexattr(inode, name)
 
+    @translate  # (as every handler: the idle spin counts it, as memfs's, fuse/idle.py)
     async def forget(self, inode_list):
         for fino, nlookup in inode_list:
             self.notifier.forget(fino, nlookup)

@@ -45,6 +45,10 @@ PIPELINE = 2  # full stripes of one file stored in the background at once
 # costs up to ~33 operations (its slice list, and each stripe's record and GC entry),
 # and etcd limits a transaction's operations (--max-txn-ops, docs/etcd.md).
 FREE_BATCH = 64
+# Small unlinked files a sweep frees together in one transaction (_free_orphans), each
+# of at most FREE_FILE_CHUNKS chunks (the same budget of operations as FREE_BATCH).
+FREE_FILES = 16
+FREE_FILE_CHUNKS = FREE_BATCH // FREE_FILES
 # Deferred frees on shared volumes (opt-in: BMFS_ORPHAN_GRACE=SECONDS in every mount's
 # environment; FileSystem.defers_free). Orphan records (o/LAYER/INO) then say who holds
 # an unlinked file: a comma-separated list of mount ids, or UNCLAIMED and the id of the
@@ -493,29 +497,61 @@ class Files:
             return
 
         async def fn(txn, chain):
-            at = chain.top if lay is None else lay
-            if expect is not None and await txn.get(keys.orphan(at, ino)) != expect:
-                return True
-            i = await ns.get_inode(txn, chain, ino)
-            if i is not None and i.nlink == 0:
-                idxs = await ns.chunk_indexes(txn, chain, ino)
-                if len(idxs) > FREE_BATCH:
-                    for idx in idxs[-FREE_BATCH:]:
-                        await ns.put_chunk(txn, chain, ino, idx, [])
-                    return False
-                self.fs.freed(view, ino, i)
-                await ns.delete_inode(txn, chain, ino, i)
-            if at == chain.top:
-                txn.delete(keys.orphan(at, ino))
-            else:
-                # the record's layer is frozen: a snapshot or branch taken since shares
-                # it, nameless inode and all. The record stays for those trees (fsck,
-                # a mount of that branch frees its own copy) and goes with the layer
-                # (branches.collect_layers); this tree's copy is gone now.
-                self._freed_here.add((chain.top, at, ino))
-            return True
+            return await self._free_step(txn, chain, view, ino, lay, expect)
         while not await self.fs.mutate(view, fn):
             pass
+
+    async def _free_orphans(self, view, due: list) -> int:
+        """_free_if_orphan for each (ino, layer, expect) of ``due``, FREE_FILES files a
+        transaction (a sweep after `rm -rf` of many small files would otherwise cost
+        a transaction per file, as many as the unlinks); a file too big to go whole
+        goes by itself afterwards. Returns how many were dealt with."""
+        if not view.writable:
+            return 0
+        left = []
+        for at in range(0, len(due), FREE_FILES):
+            group = due[at:at + FREE_FILES]
+
+            async def fn(txn, chain, group=group):
+                left.clear()
+                for ino, lay, expect in group:
+                    if not await self._free_step(txn, chain, view, ino, lay, expect,
+                                                 whole=True):
+                        left.append((ino, lay, expect))
+                return True
+            await self.fs.mutate(view, fn)
+            for ino, lay, expect in left:
+                await self._free_if_orphan(view, ino, lay, expect)
+        return len(due)
+
+    async def _free_step(self, txn, chain, view, ino: int, lay: int | None,
+                         expect: bytes | None, whole: bool = False) -> bool:
+        """In ``txn``: free what _free_if_orphan frees of ``ino`` in one transaction.
+        False if it is not done: a big file had a batch of chunks released (or, with
+        ``whole``, nothing, being too big to go whole with others)."""
+        at = chain.top if lay is None else lay
+        if expect is not None and await txn.get(keys.orphan(at, ino)) != expect:
+            return True
+        i = await ns.get_inode(txn, chain, ino)
+        if i is not None and i.nlink == 0:
+            idxs = await ns.chunk_indexes(txn, chain, ino)
+            if len(idxs) > (FREE_FILE_CHUNKS if whole else FREE_BATCH):
+                if whole:
+                    return False
+                for idx in idxs[-FREE_BATCH:]:
+                    await ns.put_chunk(txn, chain, ino, idx, [])
+                return False
+            self.fs.freed(view, ino, i)
+            await ns.delete_inode(txn, chain, ino, i)
+        if at == chain.top:
+            txn.delete(keys.orphan(at, ino))
+        else:
+            # the record's layer is frozen: a snapshot or branch taken since shares
+            # it, nameless inode and all. The record stays for those trees (fsck,
+            # a mount of that branch frees its own copy) and goes with the layer
+            # (branches.collect_layers); this tree's copy is gone now.
+            self._freed_here.add((chain.top, at, ino))
+        return True
 
     async def reap_orphans(self, view) -> int:
         """Free inodes unlinked while open by a mount that then died.
@@ -523,62 +559,60 @@ class Files:
         An orphan record names the mount holding the inode; one whose mount still has
         its leased ``m/`` record (another live mount of an etcd volume) is left alone.
         """
-        n = 0
         prefix = b"o/"
         shared = self.fs.defers_free(view)
         now, seen, live = trio.current_time(), {}, set()
         if shared:  # the mounts with a live record, this one aside
             live = {k[2:].decode(errors="replace") for k, _ in await self.kv.range(b"m/", b"m0")}
             live.discard(self.fs.mount_id)
+        due = []  # (ino, layer, expect): freed together at the end (_free_orphans)
         for k, owner in await self.kv.range(prefix, prefix + b"\xff"):
             lay, ino = (int(x, 16) for x in k[2:].split(b"/"))
             if lay not in view.chain.layers or (view.chain.top, lay, ino) in self._freed_here:
                 continue
             if shared:
-                n += await self._sweep_shared(view, lay, ino, owner, now, seen, live)
+                await self._sweep_shared(view, lay, ino, owner, now, seen, live, due)
                 continue
             if (view.id, ino) in self.open_files:
                 continue
             if owner and owner.decode() != self.fs.mount_id and \
                     await self.kv.get(keys.mount(owner.decode())) is not None:
                 continue
-            await self._free_if_orphan(view, ino, lay)
-            n += 1
+            due.append((ino, lay, None))
         if shared:
             self._unclaimed_since = seen
+        n = await self._free_orphans(view, due)
+        self._let_go.difference_update((lay, ino) for ino, lay, _ in due)
         return n
 
     async def _sweep_shared(self, view, lay: int, ino: int, record: bytes, now: float,
-                            seen: dict, live: set) -> int:
+                            seen: dict, live: set, due: list) -> None:
         """One orphan record of a shared volume (see UNCLAIMED), ``live`` the other
         mounts with a live record: claim it if this mount holds the file open; free an
         unclaimed one that is this mount's, or a dead mount's, once it has been seen
         unclaimed for ORPHAN_GRACE seconds (at once if no other mount lives: none can
-        hold it); make it unclaimed once every holder it names is gone. Returns 1 if
-        it was freed."""
+        hold it), by putting it in ``due``; make it unclaimed once every holder it
+        names is gone."""
         me = self.fs.mount_id
         named = holders(record)
         if (view.id, ino) in self.open_files:
             await self.claim_if_open(lay, ino, record)
-            return 0
+            return
         if record.startswith(UNCLAIMED):
             owner = record[len(UNCLAIMED):].decode(errors="replace")
             if owner in live:
-                return 0  # its mount frees it (one mount's frees, not every mount's)
+                return  # its mount frees it (one mount's frees, not every mount's)
             first = seen[(lay, ino, record)] = self._unclaimed_since.get((lay, ino, record), now)
             # (alone, a file this mount let go of is nobody's: one it took over from
             # holders that seemed dead waits, as their records may just be late)
             alone = not live and (lay, ino) in self._let_go
-            if not alone and now - first < ORPHAN_GRACE:
-                return 0
-            await self._free_if_orphan(view, ino, lay, expect=record)
-            self._let_go.discard((lay, ino))
-            return 1
+            if alone or now - first >= ORPHAN_GRACE:
+                due.append((ino, lay, record))  # (freed only if it still says this)
+            return
         if any(h in live for h in named):
-            return 0  # held by a live mount
+            return  # held by a live mount
         # every holder is gone (died, or this mount without a handle now)
         await self._set_holders(view, ino, lay, expect=record, drop=me)
-        return 0
 
     def let_go(self, lay: int, ino: int) -> None:
         """This mount made the orphan record of (``lay``, ``ino``) unclaimed itself."""

@@ -10,6 +10,9 @@ from bmfs.errors import FsError
 from bmfs.meta import branches as br
 from bmfs.meta import namespace as ns
 from bmfs.meta.records import Inode
+from bmfs.vfs.fs import FileSystem
+from bmfs.vfs.fsck import fsck
+from bmfs.vfs.volume import Volume, mkfs
 from vfsutil import open_fs, read_file, write_file
 
 ROOT = 1
@@ -626,3 +629,46 @@ def test_prune_keeps_an_open_unlinked_file(tmp_path):
         with raises(errno.ENOENT):
             await fs.getattr(a.ino)
     run(t, tmp_path)
+
+
+def test_files_a_crashed_mount_held_unlinked_are_freed_together(tmp_path):
+    """A mount dies holding many files unlinked while open: the next mount's start
+    sweep frees them several a transaction (files.FREE_FILES), not one each, and a
+    file too big to go with others (more than FREE_FILE_CHUNKS chunks) by itself.
+    fsck at the end: nothing left without a name or a record."""
+    from bmfs.meta.keys import CHUNK_SIZE
+    from bmfs.vfs.files import FREE_FILE_CHUNKS, FREE_FILES
+    n = 3 * FREE_FILES
+
+    async def crash():
+        await mkfs(str(tmp_path / "vol"))
+        vol = await Volume.open(str(tmp_path / "vol"))
+        fs = await FileSystem.create(vol)
+        for i in range(n):
+            fh, _ = await fs.create_file(ROOT, b"f%d" % i, 0o644, os.O_RDWR, 0, 0)
+            await fs.files.write(fh, 0, os.urandom(100 + i))
+            await fs.files.flush(fh)
+            await fs.unlink(ROOT, b"f%d" % i)
+        fh, _ = await fs.create_file(ROOT, b"wide", 0o644, os.O_RDWR, 0, 0)
+        for c in range(FREE_FILE_CHUNKS + 1):
+            await fs.files.write(fh, c * CHUNK_SIZE, b"w" * 4096)
+        await fs.files.flush(fh)
+        await fs.unlink(ROOT, b"wide")
+        assert len(await fs.kv.range(b"o/", b"o0")) == n + 1
+        await vol.aclose()  # the mount dies: its handles are never released
+    trio.run(crash)
+
+    async def next_mount():
+        vol = await Volume.open(str(tmp_path / "vol"))
+        before = vol.kv.commits
+        fs = await FileSystem.create(vol)  # (sweeps what a crashed mount left)
+        spent = vol.kv.commits - before
+        assert await fs.kv.range(b"o/", b"o0") == []
+        # 4 groups and the wide file by itself, where one each took n + 1 = 49
+        assert spent <= 6, spent
+        assert await fs.readdir(ROOT) == []
+        await fs.aclose()
+        problems, _ = await fsck(vol)
+        await vol.aclose()
+        assert problems == [], problems
+    trio.run(next_mount)

@@ -444,7 +444,8 @@ def test_deferred_frees_of_many_small_files_go_together(etcd_cluster, tmp_path, 
         wait_until(lambda: not _orphan_records(etcd_cluster), 3 + 2 * GC_INTERVAL + 10,
                    step=0.2)
         spent = _revision(etcd_cluster) - before
-        # 4 groups, and the wide file by itself: 5 transactions, where one a file took
-        # n + 2; a little room for other writes meanwhile
-        assert spent <= 5 + 4, spent
+        # 4 groups and the wide file by itself: 5 transactions, where one a file took
+        # n + 2 = 50. Room for other writes meanwhile (the write-behind token changing
+        # hands) and for the records falling due over two sweeps
+        assert spent <= 20, spent
         assert os.listdir(a.mp) == [] and os.listdir(b.mp) == []

@@ -495,40 +495,58 @@ class Files:
         record still says that (a mount that claimed it meanwhile keeps it)."""
         if not view.writable:
             return
+        done = []
 
         async def fn(txn, chain):
-            return await self._free_step(txn, chain, view, ino, lay, expect)
+            done.clear()
+            return await self._free_step(txn, chain, view, ino, lay, expect, done)
         while not await self.fs.mutate(view, fn):
-            pass
+            self._freed(view, done)
+        self._freed(view, done)
 
     async def _free_orphans(self, view, due: list) -> int:
         """_free_if_orphan for each (ino, layer, expect) of ``due``, FREE_FILES files a
         transaction (a sweep after `rm -rf` of many small files would otherwise cost
-        a transaction per file, as many as the unlinks); a file too big to go whole
-        goes by itself afterwards. Returns how many were dealt with."""
+        a transaction per file, as many as the unlinks); a file too big to go whole,
+        and every file of a group whose transaction failed, goes by itself. A file
+        open here meanwhile is left. Returns how many were dealt with."""
         if not view.writable:
             return 0
-        left = []
+        left, done = [], []
         for at in range(0, len(due), FREE_FILES):
             group = due[at:at + FREE_FILES]
 
             async def fn(txn, chain, group=group):
                 left.clear()
+                done.clear()
                 for ino, lay, expect in group:
-                    if not await self._free_step(txn, chain, view, ino, lay, expect,
+                    if (view.id, ino) in self.open_files:
+                        continue
+                    if not await self._free_step(txn, chain, view, ino, lay, expect, done,
                                                  whole=True):
                         left.append((ino, lay, expect))
                 return True
-            await self.fs.mutate(view, fn)
+            try:
+                await self.fs.mutate(view, fn)
+            except FsError as e:  # (too big together, say): one at a time
+                log.warning("freeing %d unlinked files together failed (%s); one at a "
+                            "time", len(group), e)
+                left[:] = group
+            else:
+                self._freed(view, done)
             for ino, lay, expect in left:
-                await self._free_if_orphan(view, ino, lay, expect)
+                try:
+                    await self._free_if_orphan(view, ino, lay, expect)
+                except FsError as e:  # the next sweep tries again
+                    log.warning("could not free unlinked inode %d: %s", ino, e)
         return len(due)
 
     async def _free_step(self, txn, chain, view, ino: int, lay: int | None,
-                         expect: bytes | None, whole: bool = False) -> bool:
-        """In ``txn``: free what _free_if_orphan frees of ``ino`` in one transaction.
-        False if it is not done: a big file had a batch of chunks released (or, with
-        ``whole``, nothing, being too big to go whole with others)."""
+                         expect: bytes | None, done: list, whole: bool = False) -> bool:
+        """In ``txn``: free what _free_if_orphan frees of ``ino`` in one transaction,
+        noting in ``done`` what _freed applies once it is committed. False if it is not
+        done: a big file had a batch of chunks released (or, with ``whole``, nothing,
+        being too big to go whole with others)."""
         at = chain.top if lay is None else lay
         if expect is not None and await txn.get(keys.orphan(at, ino)) != expect:
             return True
@@ -541,7 +559,7 @@ class Files:
                 for idx in idxs[-FREE_BATCH:]:
                     await ns.put_chunk(txn, chain, ino, idx, [])
                 return False
-            self.fs.freed(view, ino, i)
+            done.append((ino, i, None))
             await ns.delete_inode(txn, chain, ino, i)
         if at == chain.top:
             txn.delete(keys.orphan(at, ino))
@@ -550,8 +568,18 @@ class Files:
             # it, nameless inode and all. The record stays for those trees (fsck,
             # a mount of that branch frees its own copy) and goes with the layer
             # (branches.collect_layers); this tree's copy is gone now.
-            self._freed_here.add((chain.top, at, ino))
+            done.append((ino, None, (chain.top, at, ino)))
         return True
+
+    def _freed(self, view, done: list) -> None:
+        """What committed _free_steps freed: the inodes (FileSystem.freed) and the
+        frozen layers' records this tree is done with (``_freed_here``)."""
+        for ino, i, here in done:
+            if i is not None:
+                self.fs.freed(view, ino, i)
+            if here is not None:
+                self._freed_here.add(here)
+        done.clear()
 
     async def reap_orphans(self, view) -> int:
         """Free inodes unlinked while open by a mount that then died.

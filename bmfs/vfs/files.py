@@ -501,7 +501,7 @@ class Files:
             done.clear()
             return await self._free_step(txn, chain, view, ino, lay, expect, done)
         while not await self.fs.mutate(view, fn):
-            self._freed(view, done)
+            pass  # (a batch of a big file's chunks released: nothing freed yet)
         self._freed(view, done)
 
     async def _free_orphans(self, view, due: list) -> int:

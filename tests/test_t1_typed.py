@@ -136,6 +136,79 @@ def test_record_file_is_a_sequence(tmp_path):
         recs[0]
 
 
+def vm_flags(mapping):
+    """The kernel's flags of the memory area that holds ``mapping`` (/proc/self/smaps):
+    "rr" is MADV_RANDOM's (no read-around on a fault), "sr" MADV_SEQUENTIAL's."""
+    addr = np.frombuffer(mapping, np.uint8).ctypes.data
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):
+                lo, hi = (int(x, 16) for x in first.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return set(line.split()[1:])
+    pytest.fail("the mapping is not in /proc/self/smaps")
+
+
+def test_read_ahead_follows_the_accesses(tmp_path, monkeypatch):
+    """Records taken at random from a file too big to stay cached make the mapping
+    random (a page fault then reads its page, not ~1 MiB around it); records taken in
+    order, or an iteration, make it normal again. A file that fits keeps the kernel's
+    read-around (a shuffled pass over it is served from the cache), as do arrays unless
+    asked; access= and advise() set it; a bad mode is refused before anything opens."""
+    from bmfs.typed import access
+    path = write_records(tmp_path / "big.rec", 4000,
+                         make=lambda i: Sample(id=i, payload=bytes(2000)))
+    far = [3000, 100, 2500, 700, 3900, 1500, 50, 2200, 3300, 1000]  # >= 128 KiB apart
+
+    recs = typed.mmap(path, Sample)  # 8 MB: fits in memory, read-around stays
+    assert [recs[i].id for i in far] == far
+    assert "rr" not in vm_flags(recs.mapping) and recs.access == ("auto", "normal")
+    recs.close()
+
+    monkeypatch.setattr(access, "BIG_FILE", 1 << 20)  # now it counts as too big
+    recs = typed.mmap(path, Sample)
+    assert [recs[i].id for i in far[:access.RANDOM_AFTER - 1]] == far[:access.RANDOM_AFTER - 1]
+    assert "rr" not in vm_flags(recs.mapping)  # a few jumps are not a pattern yet
+    assert [recs[i].id for i in far[access.RANDOM_AFTER - 1:]] == far[access.RANDOM_AFTER - 1:]
+    assert "rr" in vm_flags(recs.mapping) and recs.access == ("auto", "random")
+    assert [recs[i].id for i in (10, 11, 12)] == [10, 11, 12]  # in order: normal again
+    assert "rr" not in vm_flags(recs.mapping)
+    part = recs[2000:]
+    assert [part[i - 2000].id for i in (3900, 2100, 3500, 2900, 3100, 2500, 3700, 2300)] \
+        == [3900, 2100, 3500, 2900, 3100, 2500, 3700, 2300]
+    assert "rr" in vm_flags(recs.mapping)  # a slice shares the mapping and its advice
+    assert sum(1 for _ in recs) == 4000  # an iteration reads in order
+    assert "rr" not in vm_flags(recs.mapping)
+    recs.advise("random")
+    assert "rr" in vm_flags(recs.mapping) and recs.access == ("random", "random")
+    assert [recs[i].id for i in (10, 11, 12, 13)] == [10, 11, 12, 13]  # stays random
+    assert "rr" in vm_flags(recs.mapping)
+    recs.advise("sequential")
+    assert "sr" in vm_flags(recs.mapping) and "rr" not in vm_flags(recs.mapping)
+    with pytest.raises(ValueError, match="access must be one of auto, normal, random"):
+        recs.advise("randomly")
+    recs.close()
+    with pytest.raises(ValueError, match="closed"):
+        recs.advise("random")
+
+    assert "rr" in vm_flags(typed.mmap(path, Sample, access="random").mapping)
+    arr_path = str(tmp_path / "a.npy")
+    np.save(arr_path, np.arange(1 << 20, dtype=np.uint32))
+    a = typed.mmap(arr_path)
+    assert "rr" not in vm_flags(a.mapping)
+    a.advise("random")
+    assert "rr" in vm_flags(a.mapping) and a[123457] == 123457
+    a = typed.mmap(arr_path, access="random")
+    assert "rr" in vm_flags(a.mapping)
+    assert "sr" in vm_flags(typed.mutable_mmap(arr_path, access="sequential").mapping)
+    for bad in ("fast", None, 3):
+        with pytest.raises(ValueError, match="access must be one of"):
+            typed.mmap(tmp_path / "missing.npy", access=bad)
+
+
 def test_record_file_edge_sizes(tmp_path):
     empty = typed.mmap(write_records(tmp_path / "empty.rec", 0), Sample)
     assert len(empty) == 0 and list(empty) == []

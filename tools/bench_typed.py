@@ -12,6 +12,11 @@
 2. Random access to 10,000 records: bmfs.typed.mmap vs one file per message.
 3. A 1 GiB float32 .npy array mapped with bmfs.typed.mmap and summed, in DIR and, with
    --compare-dir, in a second directory (e.g. DIR a bmfs mount, DIR2 a local disk).
+4. Shuffled reads (a data loader's), each cold with the kernel's read-ahead
+   (access="normal") and with access="random" (bmfs.typed.access): --shuffled records
+   taken at random from a record file of --big-records records of 2 KiB; every record
+   of one of --epoch-records, in shuffled order (an epoch); --shuffled random elements
+   of the .npy of 3. The bytes read are what the page cache of the file gained.
 
 Caveats: numbers are for a warm page cache (the files were just written) unless --cold
 is given, which drops the kernel's caches before each read phase (needs root; it slows
@@ -23,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import time
 
@@ -42,6 +48,9 @@ def main(argv=None):
     p.add_argument("--files", type=int, default=100_000)
     p.add_argument("--random", type=int, default=10_000)
     p.add_argument("--array-mib", type=int, default=1024)
+    p.add_argument("--big-records", type=int, default=200_000)
+    p.add_argument("--shuffled", type=int, default=2000)
+    p.add_argument("--epoch-records", type=int, default=50_000)
     p.add_argument("--cold", action="store_true", help="drop page caches before reads")
     p.add_argument("--keep", action="store_true", help="keep the files written")
     p.add_argument("--json", metavar="FILE",
@@ -53,6 +62,7 @@ def main(argv=None):
         print(f"bench_typed: dir={args.dir}, protobuf {protobuf_version()}, "
               f"numpy {np.__version__}, {'cold' if args.cold else 'warm'} page cache")
         bench_records(work, args)
+        bench_shuffled_records(work, args)
         bench_numpy(args)
     finally:
         if not args.keep:
@@ -60,6 +70,8 @@ def main(argv=None):
     if args.json:
         RESULTS["params"] = {"records": args.records, "files": min(args.files, args.records),
                              "random": args.random, "array_mib": args.array_mib,
+                             "big_records": args.big_records, "shuffled": args.shuffled,
+                             "epoch_records": args.epoch_records,
                              "cold": args.cold, "dir": args.dir,
                              "compare_dir": args.compare_dir,
                              "protobuf": protobuf_version(), "numpy": np.__version__}
@@ -233,12 +245,91 @@ def bench_numpy(args):
             RESULTS.setdefault("numpy", []).append({"dir": d, "bytes": nbytes,
                                                     "write_s": write_s,
                                                     "read_s": t.seconds})
+            if d == args.dir:
+                shuffled_elements(path, args)
         finally:
             if os.path.exists(path):
                 os.remove(path)
     if len(results) == 2:
         print(f"  ratio: {dirs[0]} reads at {results[1] / results[0]:.2f}x the speed of "
               f"{dirs[1]}")
+
+
+def cached_bytes(path):
+    """Bytes of ``path`` in the page cache (fincore(1)), or None without fincore."""
+    try:
+        out = subprocess.run(["fincore", "-b", "-n", "-o", "RES", path], check=True,
+                             capture_output=True, text=True).stdout
+        return int(out.split()[0])
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        return None
+
+
+def shuffled(label, key, path, open_view, picks, args):
+    """Read ``picks`` of the view ``open_view(access)`` opens, cold, with the kernel's
+    read-ahead (access="normal") and with access="random"."""
+    rates = {}
+    for access in ("normal", "random"):
+        drop_caches(args)
+        before = cached_bytes(path)
+        view, get = open_view(access)
+        with Timer() as t:
+            for i in picks:
+                get(view, i)
+        after = cached_bytes(path)
+        read = None if before is None or after is None else after - before
+        rates[access] = len(picks) / t.seconds
+        RESULTS[f"{key}_{access}_s"] = t.seconds
+        RESULTS[f"{key}_{access}_read"] = read
+        print(f"  {label + ', access ' + access:<58} {t.seconds:8.3f} s "
+              f"{rates[access]:8,.0f}/s" + ("" if read is None else
+                                           f"  (read {read / 2**20:.1f} MiB)"))
+        del view
+    print(f"  ratio: random reads at {rates['random'] / rates['normal']:.2f}x the rate")
+
+
+def record_file(path, n):
+    payload = os.urandom(2048)
+    with Timer() as t:
+        with typed.records.writer(path, Sample) as w:
+            for i in range(n):
+                w.append(Sample(id=i, payload=payload))
+    line(f"write {n:,} records of 2 KiB", t.seconds, n,
+         extra=f"({os.path.getsize(path) / 1e6:.1f} MB)")
+
+
+def bench_shuffled_records(work, args):
+    """A few records at random of a large file, then a whole shuffled pass over a
+    smaller one (a data loader's epoch over a dataset that stays cached)."""
+    n, k = args.big_records, args.shuffled
+    print("\nshuffled reads of record files (bmfs.typed.mmap)")
+    path = os.path.join(work, "big.rec")
+    record_file(path, n)
+    rng = random.Random(2)
+    picks = [rng.randrange(n) for _ in range(k)]
+
+    def open_view(access):
+        return typed.mmap(path, Sample, access=access), lambda view, i: view[i].id
+    shuffled(f"{k:,} records at random of {n:,}", "shuffled_records", path, open_view,
+             picks, args)
+    os.remove(path)
+    n = args.epoch_records
+    path = os.path.join(work, "epoch.rec")
+    record_file(path, n)
+    order = list(range(n))
+    random.Random(3).shuffle(order)
+    shuffled(f"all {n:,} records, shuffled", "epoch_records", path, open_view, order, args)
+    os.remove(path)
+
+
+def shuffled_elements(path, args):
+    rng = random.Random(3)
+    picks = [rng.randrange((args.array_mib << 20) // 4) for _ in range(args.shuffled)]
+
+    def open_view(access):
+        return typed.mmap(path, access=access), lambda view, i: float(view[i])
+    shuffled(f"{args.shuffled:,} .npy elements at random", "shuffled_numpy", path,
+             open_view, picks, args)
 
 
 if __name__ == "__main__":

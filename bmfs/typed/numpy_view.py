@@ -15,6 +15,7 @@ import tokenize
 import numpy as np
 from numpy.lib import format as npy_format
 
+from bmfs.typed.access import advise, check_mode
 from bmfs.typed.errors import CorruptFile, NotSupportedHere, TypeMismatch, from_os_error
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -48,6 +49,13 @@ class MappedArray(np.memmap):
     def mapping(self):
         """The mmap.mmap this array is a view of."""
         return self._mmap
+
+    def advise(self, access):
+        """Read-ahead for the whole mapping: "normal", "random" (a page fault reads
+        its page only: for indexes that jump about) or "sequential"; "auto" leaves it
+        (bmfs.typed.access). Views of this array share the mapping, and the advice."""
+        if check_mode(access) != "auto":
+            advise(self._mmap, access)
 
     def close(self):
         """Flush (see the module caveat: the mapping stays until the array is gone)."""

@@ -52,6 +52,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from bmfs.typed import registry
+from bmfs.typed.access import Access
 from bmfs.typed.errors import (
     CorruptFile, MissingIndex, NotSupportedHere, TypeMismatch, from_os_error)
 from bmfs.typed.proto_view import first_bad_field, read_varint
@@ -229,8 +230,9 @@ def read_header(buf, path, size):
     return name, _align8(end)
 
 
-def open_records(path, message_class, *, verify=True, strict=True):
+def open_records(path, message_class, *, verify=True, strict=True, access="auto"):
     """Map a record file of `message_class` (no xattr handling; see bmfs.typed.mmap).
+    `access`: read-ahead advice for the mapping (bmfs.typed.access.MODES).
 
     Raises:
         TypeMismatch: the header names another message (unless strict=False).
@@ -244,6 +246,7 @@ def open_records(path, message_class, *, verify=True, strict=True):
             mm = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)
     except OSError as e:
         raise from_os_error(path, e) from None
+    advice = Access(mm, access, size)  # before the header and index are read through it
     name, header_end = read_header(memoryview(mm)[:HEADER.size + MAX_NAME], path, size)
     want = message_class.DESCRIPTOR.full_name
     if strict and name != want:
@@ -270,7 +273,8 @@ def open_records(path, message_class, *, verify=True, strict=True):
             raise CorruptFile(path, f"index checksum mismatch: crc32 {got:#010x}, footer "
                                     f"says {crc:#010x}", index_offset)
         _check_index(path, offsets, header_end, index_offset)
-    return RecordFile(path, message_class, name, mm, offsets, header_end, index_offset)
+    return RecordFile(path, message_class, name, mm, offsets, header_end, index_offset,
+                      access=advice)
 
 
 def _check_index(path, offsets, header_end, index_offset):
@@ -299,10 +303,15 @@ class RecordFile(collections.abc.Sequence):
     iteration. Record i is parsed from its own slice of the mapping when accessed; each
     access returns a new message object. raw(i) gives the serialized bytes as a
     memoryview of the mapping, with no copy at all.
+
+    Read-ahead follows the accesses (bmfs.typed.access, "auto"): records taken at
+    random from a file too large to stay cached make the mapping random (a fault
+    reads its page, not ~1 MiB around it), accesses in order or iteration make it
+    normal again; advise() sets it instead.
     """
 
     def __init__(self, path, message_class, type_name, mapping, offsets, header_end,
-                 records_end, starts=None, ends=None):
+                 records_end, starts=None, ends=None, access=None):
         self.path = path
         self.message_class = message_class
         self.type_name = type_name      # the name in the file's header
@@ -314,6 +323,18 @@ class RecordFile(collections.abc.Sequence):
         self._starts = offsets[:-1] if starts is None else starts
         self._ends = offsets[1:] if ends is None else ends
         self._from = message_class.FromString
+        self._access = Access(mapping) if access is None else access
+
+    def advise(self, access):
+        """Read-ahead for the mapping from now on (it and its slices share it):
+        "auto", "normal", "random" or "sequential" (bmfs.typed.access)."""
+        self._check_open()
+        self._access.set(access)
+
+    @property
+    def access(self):
+        """The access mode ("auto", ...) and the advice the mapping has now."""
+        return self._access.mode, self._access.advice
 
     @property
     def mapping(self):
@@ -335,20 +356,24 @@ class RecordFile(collections.abc.Sequence):
         if isinstance(i, slice):
             return RecordFile(self.path, self.message_class, self.type_name, self._mm,
                               self._offsets, self._lo, self._hi,
-                              self._starts[i], self._ends[i])
+                              self._starts[i], self._ends[i], self._access)
         i = self._position(i)
-        return self._record(int(self._starts[i]), int(self._ends[i]))
+        start, end = int(self._starts[i]), int(self._ends[i])
+        self._access.touch(start, end)
+        return self._record(start, end)
 
     def raw(self, i):
         """Record i's serialized message: a memoryview of the mapping, no copy."""
         self._check_open()
         i = self._position(i)
         start, end = int(self._starts[i]), int(self._ends[i])
+        self._access.touch(start, end)
         body = self._body(start, end)
         return self._mv[body:end]
 
     def __iter__(self):
         self._check_open()
+        self._access.scan()
         mv, parse, lo, hi = self._mv, self._from, self._lo, self._hi
         for first in range(0, len(self._starts), _CHUNK):
             starts = self._starts[first:first + _CHUNK].tolist()
@@ -366,6 +391,7 @@ class RecordFile(collections.abc.Sequence):
     def close(self):
         """Drop this view's references to the mapping (see the module caveats)."""
         self._mm = self._mv = self._offsets = self._starts = self._ends = None
+        self._access = Access(None)  # (the shared one refers to the mapping)
 
     @property
     def closed(self):

@@ -2,6 +2,7 @@
 evolution, and every error path (corrupt, truncated, mismatched, unregistered)."""
 import argparse
 import errno
+import mmap
 import os
 import random
 import shutil
@@ -207,6 +208,62 @@ def test_read_ahead_follows_the_accesses(tmp_path, monkeypatch):
     for bad in ("fast", None, 3):
         with pytest.raises(ValueError, match="access must be one of"):
             typed.mmap(tmp_path / "missing.npy", access=bad)
+        with pytest.raises(ValueError, match="access must be one of"):
+            records.open(tmp_path / "missing.rec", Sample, access=bad)
+
+
+def test_read_ahead_advice_everywhere_it_is_taken(tmp_path, monkeypatch):
+    """Slices, views of arrays, flatbuffers and records.open take the advice; two
+    readers in order interleaved are no jumps; a closed file says so; a record of
+    more than a page under random advice is read whole at its first touch."""
+    from bmfs.typed import access
+    monkeypatch.setattr(access, "BIG_FILE", 1 << 20)
+    path = write_records(tmp_path / "big.rec", 4000,
+                         make=lambda i: Sample(id=i, payload=bytes(2000)))
+    recs = records.open(path, Sample)
+    a, b = recs[:2000], recs[2000:]
+    for i in range(20):  # two shards read in order, turn about: never random
+        assert (a[i].id, b[i].id) == (i, 2000 + i)
+    assert recs.access == ("auto", "normal") and "rr" not in vm_flags(recs.mapping)
+    a.advise("random")
+    recs.close()
+    assert "rr" in vm_flags(b.mapping) and b[5].id == 2005  # the slice outlives it
+    with pytest.raises(ValueError, match="closed"):
+        recs.access
+    assert "rr" in vm_flags(records.open(path, access="random").mapping)
+
+    arr_path = str(tmp_path / "a.npy")
+    np.save(arr_path, np.arange(1 << 20, dtype=np.uint32))
+    view = typed.mmap(arr_path)[1000:]
+    view.advise("random")
+    assert "rr" in vm_flags(view.mapping) and view[0] == 1000
+    view.advise("auto")
+    assert "rr" not in vm_flags(view.mapping)
+    fbs_path = tmp_path / "f.bmfr"
+    write_frame(fbs_path)
+    frame = typed.mmap(fbs_path, Frame, access="random")
+    assert "rr" in vm_flags(frame._tab.Bytes)
+
+    big = write_records(tmp_path / "wide.rec", 64,
+                        make=lambda i: Sample(id=i, payload=bytes([i]) * 65536))
+    fd = os.open(big, os.O_RDONLY)
+    os.fsync(fd)  # (dirty pages stay cached)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    wide = records.open(big, Sample, access="random")
+    cached = cached_bytes(big)
+    start = int(wide.offsets[40])
+    assert wide.mapping[start + 30000] == 40  # a plain touch of the mapping: one page
+    assert cached_bytes(big) - cached <= 2 * mmap.PAGESIZE
+    cached = cached_bytes(big)
+    assert wide.raw(20)[-1] == 20  # one byte of a 64 KiB record: all of it is asked for
+    assert cached_bytes(big) - cached >= 65536
+
+
+def cached_bytes(path):
+    out = subprocess.run(["fincore", "-b", "-n", "-o", "RES", str(path)], check=True,
+                         capture_output=True, text=True).stdout
+    return int(out.split()[0])
 
 
 def test_record_file_edge_sizes(tmp_path):

@@ -39,6 +39,9 @@ def test_random_access_reads_pages_not_megabytes_on_mount(mnt):
     around the page; with access="random" it reads the page. 40 records taken at random
     from a 16 MiB record file: what the file's page cache gained, both ways, and the
     records are the same."""
+    dev = os.stat(mnt.mp).st_dev
+    with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as f:
+        assert int(f.read()) == 4096  # what `bmfs mount` sets (as root)
     path = os.path.join(mnt.mp, "train.rec")
     with bmfs.typed.records.writer(path, Sample) as w:
         for i in range(8000):

@@ -16,7 +16,9 @@
    (access="normal") and with access="random" (bmfs.typed.access): --shuffled records
    taken at random from a record file of --big-records records of 2 KiB; every record
    of one of --epoch-records, in shuffled order (an epoch); --shuffled random elements
-   of the .npy of 3. The bytes read are what the page cache of the file gained.
+   of the .npy of 3. The bytes read are what the page cache of the file gained. The
+   scattered records are read a third time with access="auto" as it does for a file
+   larger than memory ("auto*": bmfs.typed.access.BIG_FILE set to 0 for it). Needs --cold.
 
 Caveats: numbers are for a warm page cache (the files were just written) unless --cold
 is given, which drops the kernel's caches before each read phase (needs root; it slows
@@ -81,6 +83,7 @@ def main(argv=None):
 
 
 RESULTS = {}  # what --json writes: seconds per phase
+BIG_FILE = typed.access.BIG_FILE
 
 
 def protobuf_version():
@@ -265,14 +268,16 @@ def cached_bytes(path):
         return None
 
 
-def shuffled(label, key, path, open_view, picks, args):
+def shuffled(label, key, path, open_view, picks, args, modes=("normal", "random")):
     """Read ``picks`` of the view ``open_view(access)`` opens, cold, with the kernel's
-    read-ahead (access="normal") and with access="random"."""
+    read-ahead (access="normal") and with access="random" (and any other ``modes``;
+    "auto*": auto, the file taken for larger than memory)."""
     rates = {}
-    for access in ("normal", "random"):
+    for access in modes:
         drop_caches(args)
         before = cached_bytes(path)
-        view, get = open_view(access)
+        typed.access.BIG_FILE = 0 if access == "auto*" else BIG_FILE
+        view, get = open_view(access.rstrip("*"))
         with Timer() as t:
             for i in picks:
                 get(view, i)
@@ -285,7 +290,9 @@ def shuffled(label, key, path, open_view, picks, args):
               f"{rates[access]:8,.0f}/s" + ("" if read is None else
                                            f"  (read {read / 2**20:.1f} MiB)"))
         del view
-    print(f"  ratio: random reads at {rates['random'] / rates['normal']:.2f}x the rate")
+    typed.access.BIG_FILE = BIG_FILE
+    for access in modes[1:]:
+        print(f"  ratio: {access} reads at {rates[access] / rates['normal']:.2f}x the rate")
 
 
 def record_file(path, n):
@@ -303,6 +310,9 @@ def bench_shuffled_records(work, args):
     smaller one (a data loader's epoch over a dataset that stays cached)."""
     n, k = args.big_records, args.shuffled
     print("\nshuffled reads of record files (bmfs.typed.mmap)")
+    if not args.cold:
+        print("  skipped: only cold reads (--cold) say what read-ahead costs")
+        return
     path = os.path.join(work, "big.rec")
     record_file(path, n)
     rng = random.Random(2)
@@ -311,7 +321,7 @@ def bench_shuffled_records(work, args):
     def open_view(access):
         return typed.mmap(path, Sample, access=access), lambda view, i: view[i].id
     shuffled(f"{k:,} records at random of {n:,}", "shuffled_records", path, open_view,
-             picks, args)
+             picks, args, ("normal", "random", "auto*"))
     os.remove(path)
     n = args.epoch_records
     path = os.path.join(work, "epoch.rec")
@@ -323,6 +333,8 @@ def bench_shuffled_records(work, args):
 
 
 def shuffled_elements(path, args):
+    if not args.cold:
+        return
     rng = random.Random(3)
     picks = [rng.randrange((args.array_mib << 20) // 4) for _ in range(args.shuffled)]
 

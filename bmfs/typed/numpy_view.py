@@ -51,11 +51,11 @@ class MappedArray(np.memmap):
         return self._mmap
 
     def advise(self, access):
-        """Read-ahead for the whole mapping: "normal", "random" (a page fault reads
-        its page only: for indexes that jump about) or "sequential"; "auto" leaves it
-        (bmfs.typed.access). Views of this array share the mapping, and the advice."""
-        if check_mode(access) != "auto":
-            advise(self._mmap, access)
+        """Read-ahead for the whole mapping: "normal" (or "auto": the kernel's default),
+        "random" (a page fault reads its page only: for indexes that jump about) or
+        "sequential" (bmfs.typed.access). Views of this array share the mapping, and
+        the advice."""
+        advise(self._mmap, "normal" if check_mode(access) == "auto" else access)
 
     def close(self):
         """Flush (see the module caveat: the mapping stays until the array is gone)."""

@@ -52,7 +52,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from bmfs.typed import registry
-from bmfs.typed.access import Access
+from bmfs.typed.access import Access, check_mode
 from bmfs.typed.errors import (
     CorruptFile, MissingIndex, NotSupportedHere, TypeMismatch, from_os_error)
 from bmfs.typed.proto_view import first_bad_field, read_varint
@@ -334,6 +334,7 @@ class RecordFile(collections.abc.Sequence):
     @property
     def access(self):
         """The access mode ("auto", ...) and the advice the mapping has now."""
+        self._check_open()
         return self._access.mode, self._access.advice
 
     @property
@@ -452,16 +453,17 @@ class RecordFile(collections.abc.Sequence):
                               where) from None
 
 
-def open(path, Type=None, *, verify=True, strict=True):  # noqa: A001 (module API)
+def open(path, Type=None, *, verify=True, strict=True, access="auto"):  # noqa: A001
     """Open a record file as a RecordFile; Type defaults to the recorded type.
 
     Same as bmfs.typed.mmap(path, Type) but refuses files that are not record files.
     """
     from bmfs.typed import views
+    check_mode(access)
     req = registry.request(Type, path=path)
     if req is not None and req.kind == registry.ANY_PROTO:
         req.kind = "proto-records"
-    view = views.mmap(path, req, verify=verify, strict=strict)
+    view = views.mmap(path, req, verify=verify, strict=strict, access=access)
     if not isinstance(view, RecordFile):
         raise TypeMismatch(path, "not a record file")
     return view

@@ -33,10 +33,11 @@ def mmap(path, Type=None, *, strict=True, verify=True, dtype=None, shape=None, o
     the file (e.g. a newer version of the schema under another name).
 
     access= is the read-ahead the mapping gets (bmfs.typed.access): "auto" (record
-    files follow how they are read; other files keep the kernel's default), "normal",
-    "random" (a page fault reads its page only: for readers that jump about, such as a
-    shuffled data loader; on a bmfs mount a fault otherwise reads ~1 MiB) or
-    "sequential". A protobuf message is parsed at once: access does not apply.
+    files larger than memory go random when read at random; other files keep the
+    kernel's default), "normal", "random" (a page fault reads its page only: for
+    readers that jump about a file larger than memory, or take a few pieces of a big
+    one; on a bmfs mount a fault otherwise reads ~1 MiB) or "sequential". A protobuf
+    message is parsed at once: access does not apply.
 
     Raises:
         NoType: no Type given and none recorded or readable from the file.

@@ -3,7 +3,8 @@
 A tree (a branch or a snapshot) is a chain of layers, top first. Every layered key is
 stored as ``SUB@LAYER``; the versions of one SUB in different layers sit next to each
 other in key order, so a lookup is one range read whatever the chain's depth, and it
-returns the version of the first layer in the chain that has one. Writes go to the
+returns the version of the first layer in the chain that has one (picked by the layers'
+ranks: its cost grows with the key's versions, not with the chain's depth). Writes go to the
 top layer only; deleting a SUB that a lower layer still shows writes a tombstone.
 Creating a branch or snapshot freezes the current top and starts new empty layers
 (branches.py): O(1) whatever the size of the tree, and no data is copied.
@@ -11,6 +12,7 @@ Creating a branch or snapshot freezes the current top and starts new empty layer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..kv import Txn, prefix_end
 from . import keys
@@ -32,6 +34,13 @@ class Chain:
     def writable(self) -> bool:
         return self.branch is not None
 
+    @cached_property
+    def rank(self) -> dict[int, int]:
+        """Layer -> its place in the chain (0: the top). A lookup picks the version of
+        the lowest rank among the few a key has: its cost does not grow with the
+        chain's depth (a branch snapshotted hundreds of times)."""
+        return {lay: i for i, lay in enumerate(self.layers)}
+
 
 def lkey(sub: bytes, lay: int) -> bytes:
     return sub + b"@%08x" % lay
@@ -46,12 +55,13 @@ async def lget(txn: Txn, chain: Chain, sub: bytes) -> bytes | None:
     if len(chain.layers) == 1:
         v = await txn.get(lkey(sub, chain.top))
     else:
-        found = {}
+        rank, best, v = chain.rank, len(chain.layers), None
         want = len(sub) + _SUFFIX
-        for k, v in await txn.range(sub + b"@", sub + b"A"):
+        for k, val in await txn.range(sub + b"@", sub + b"A"):
             if len(k) == want:
-                found[int(k[-8:], 16)] = v
-        v = next((found[lay] for lay in chain.layers if lay in found), None)
+                r = rank.get(int(k[-8:], 16), best)
+                if r < best:
+                    best, v = r, val
     if v is None or v[:1] == keys.TOMBSTONE:
         return None
     return v[1:]
@@ -65,10 +75,10 @@ async def ldel(txn: Txn, chain: Chain, sub: bytes) -> None:
     """Remove ``sub`` from the tree: delete the top version, tombstone lower ones."""
     txn.delete(lkey(sub, chain.top))
     if len(chain.layers) > 1:
-        lower = set(chain.layers[1:])
+        rank = chain.rank
         want = len(sub) + _SUFFIX
         for k, v in await txn.range(sub + b"@", sub + b"A"):
-            if len(k) == want and int(k[-8:], 16) in lower:
+            if len(k) == want and rank.get(int(k[-8:], 16), 0) > 0:
                 # something below shows through unless hidden
                 if await _visible_below(txn, chain, sub):
                     txn.put(lkey(sub, chain.top), keys.TOMBSTONE)
@@ -87,7 +97,7 @@ async def top_value(txn: Txn, chain: Chain, sub: bytes) -> bytes | None:
 
 async def lscan(txn: Txn, chain: Chain, prefix: bytes) -> list[tuple[bytes, bytes]]:
     """``(sub, value)`` for every SUB under ``prefix`` the tree shows, in SUB order."""
-    rank = {lay: i for i, lay in enumerate(chain.layers)}
+    rank = chain.rank
     best: dict[bytes, tuple[int, bytes]] = {}
     for k, v in await txn.range(prefix, prefix_end(prefix)):
         if k[-_SUFFIX:-8] != b"@":

@@ -1,9 +1,7 @@
 """bmfs cluster up DIR --nodes N [--ec K+M] | bmfs cluster start DIR [--node I] |
 bmfs cluster add DIR | bmfs cluster down DIR"""
-import trio
-
-from ..config import parse_ec
-from ..store.pmem import LAYOUTS
+from ..config import LAYOUTS, parse_ec
+from .common import run_trio
 
 
 def add_parser(sub):
@@ -95,7 +93,7 @@ def _device_ids(directory: str) -> set[int]:
     from .common import control
     from .repair import _mount_of
     mp = _mount_of(directory)
-    records = control(mp, "devices") if mp else trio.run(_offline_devices, directory)
+    records = control(mp, "devices") if mp else run_trio(_offline_devices, directory)
     return {int(dev) for dev in records}
 
 

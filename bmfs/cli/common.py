@@ -7,6 +7,14 @@ import os
 from .main import UserError
 
 
+def run_trio(fn, *args):
+    """``trio.run(fn, *args)``, trio imported only here: the commands that talk to a
+    running mount (branch, snapshot, type, status of a mount...) start without it
+    (~0.2 s of a ~0.45 s start on these machines)."""
+    import trio
+    return trio.run(fn, *args)
+
+
 def mounts() -> list[dict]:
     """bmfs mounts from /proc/self/mountinfo: mountpoint, source, dev (major:minor)."""
     out = []

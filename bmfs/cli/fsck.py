@@ -1,5 +1,5 @@
 """bmfs fsck VOLUME [--full] [--repair]: exit 0 only when the volume is consistent."""
-import trio
+from .common import run_trio
 
 
 def add_parser(sub):
@@ -21,7 +21,7 @@ def run(args) -> int:
             return await fsck(vol, full=args.full, repair=args.repair)
         finally:
             await vol.aclose()
-    problems, notes = trio.run(main)
+    problems, notes = run_trio(main)
     for n in notes:
         print(f"note: {n}")
     for p in problems:

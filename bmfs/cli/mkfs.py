@@ -1,10 +1,8 @@
 """bmfs mkfs VOLUME [--ec K+M] [--device PATH ... | --on-nodes] [--meta URL] [--layout pool|files]"""
 import os
 
-import trio
-
-from ..config import parse_ec
-from ..store.pmem import LAYOUTS
+from ..config import DEFAULT_LAYOUT, LAYOUTS, parse_ec
+from .common import run_trio
 
 
 def add_parser(sub):
@@ -20,13 +18,8 @@ def add_parser(sub):
     p.add_argument("--fragment-size", type=int, default=1 << 20, help=argparse_help())
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="how a device directory keeps fragments: pool files (pool) or a "
-                        "file per fragment (files); default: %s" % _default())
+                        "file per fragment (files); default: %s" % DEFAULT_LAYOUT)
     p.set_defaults(func=run)
-
-
-def _default():
-    from ..vfs.volume import DEFAULT_LAYOUT
-    return DEFAULT_LAYOUT
 
 
 def argparse_help():
@@ -38,7 +31,7 @@ def run(args) -> int:
     k, m = parse_ec(args.ec)
     if args.fragment_size < 4096 or args.fragment_size % 4096:
         raise ValueError("--fragment-size must be a multiple of 4096")
-    s = trio.run(lambda: mkfs(args.volume, k, m, args.device or None, args.meta,
+    s = run_trio(lambda: mkfs(args.volume, k, m, args.device or None, args.meta,
                               args.fragment_size, layout=args.layout, on_nodes=args.on_nodes))
     print(f"created volume {args.volume} ({s.k}+{s.m}, uuid {s.uuid})")
     if args.on_nodes:

@@ -7,11 +7,9 @@ import subprocess
 import sys
 import time
 
-import trio
-
 from ..config import MountOptions, default_volume
 from .main import UserError
-from .common import find_mount, mounts
+from .common import find_mount, mounts, run_trio
 
 
 def add_parser(sub):
@@ -56,7 +54,7 @@ def run(args) -> int:
         from ..config import parse_ec
         from ..vfs.volume import mkfs
         k, m = parse_ec(args.ec)
-        trio.run(mkfs, volume, k, m)
+        run_trio(mkfs, volume, k, m)
     if args.mountpoint and not os.path.exists(mp) and args.volume is None:
         os.makedirs(mp, exist_ok=True)
     _check_mountpoint(mp)
@@ -98,7 +96,7 @@ def _serve(volume, mp, opts, ready_fd) -> int:
                     notify_ready(f"mounted {volume} at {mp}")
             threading.Thread(target=up, daemon=True).start()
     try:
-        trio.run(serve, volume, mp, opts, ready)
+        run_trio(serve, volume, mp, opts, ready)
     except Exception as e:
         if ready_fd is not None:
             try:

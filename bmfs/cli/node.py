@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import os
 
-import trio
-
-from ..store.pmem import LAYOUTS
+from ..config import LAYOUTS
 from .main import UserError
+from .common import run_trio
 from .repair import limit_option, run_op
 
 
@@ -119,7 +118,7 @@ def run_serve(args) -> int:
     except OSError as e:
         raise UserError(f"cannot read {args.secret_file}: {e.strerror}")
     from ..proc import notify_ready
-    trio.run(run_node, args.name or args.listen, host, int(port), secret, devices,
+    run_trio(run_node, args.name or args.listen, host, int(port), secret, devices,
              args.volume_uuid, lambda bound: notify_ready(f"serving on {host}:{bound}"),
              delay, args.meta, args.advertise)
     return 0

@@ -6,9 +6,7 @@ import json
 import os
 import sys
 
-import trio
-
-from .common import control, find_mount, mounts
+from .common import control, find_mount, mounts, run_trio
 from .main import UserError
 
 
@@ -53,7 +51,7 @@ def run_op(args, op, **kw) -> int:
     if mp:
         result = control(mp, op, **kw)
     else:
-        result = trio.run(_offline, target, op, kw)
+        result = run_trio(_offline, target, op, kw)
     if getattr(args, "json", False):
         print(json.dumps(result, indent=2))
     else:

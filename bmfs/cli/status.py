@@ -2,9 +2,7 @@
 import json
 import os
 
-import trio
-
-from .common import control, find_mount, mounts
+from .common import control, find_mount, mounts, run_trio
 
 
 def add_parser(sub):
@@ -27,7 +25,7 @@ def run(args) -> int:
         st = control(m["mountpoint"], "status")
         st["mountpoint"] = m["mountpoint"]
     else:
-        st = trio.run(_offline, target)
+        st = run_trio(_offline, target)
     print(json.dumps(st, indent=2) if args.json else render(st))
     return 0
 

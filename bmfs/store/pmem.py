@@ -37,6 +37,7 @@ import threading
 
 from crc32c import crc32c
 
+from ..config import LAYOUTS  # noqa: F401 (of a device directory: pool.py, file.py)
 from ..errors import VolumeError
 
 MAGIC = b"BMPMEM01"
@@ -251,7 +252,6 @@ def _round(n: int) -> int:
     return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)
 
 
-LAYOUTS = ("pool", "files")  # of a device directory: pool.py, file.py
 
 
 def open_store(path: str, volume_uuid: str, dev: int):

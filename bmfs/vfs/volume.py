@@ -14,7 +14,7 @@ import uuid as uuidlib
 
 import trio
 
-from ..config import VolumeSettings
+from ..config import DEFAULT_LAYOUT, VolumeSettings
 from ..data.client import DataClient
 from ..errors import VolumeError
 from ..kv import open_kv
@@ -27,7 +27,6 @@ from ..transport.local import LocalTransport
 log = logging.getLogger(__name__)
 VOLUME_FILE = "volume.json"
 # how new volumes' device directories keep fragments (``bmfs mkfs --layout``)
-DEFAULT_LAYOUT = os.environ.get("BMFS_LAYOUT", "files")
 
 
 def read_volume_file(path: str) -> dict:
@@ -53,7 +52,7 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
                layout: str | None = None, on_nodes: bool = False) -> VolumeSettings:
     """Create a volume in directory ``path``. Raises VolumeError if one is there already.
     ``layout``: how device directories keep fragments (store/pmem.py LAYOUTS; default
-    DEFAULT_LAYOUT). ``on_nodes``: a volume whose devices will be storage nodes' (on
+    config.DEFAULT_LAYOUT). ``on_nodes``: a volume whose devices will be storage nodes' (on
     other machines), none yet: each is added with ``bmfs node add --address`` once its
     node serves it; a new cluster secret is written to ``path``/secret (unless one is
     there)."""

@@ -252,8 +252,6 @@ def _round(n: int) -> int:
     return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)
 
 
-
-
 def open_store(path: str, volume_uuid: str, dev: int):
     """A PmemStore for ``pmem:PATH[:SIZE_IN_MIB]``; for a directory, a PoolStore or a
     FileStore, as its DEVICE marker says."""

@@ -5,6 +5,7 @@ pid) on exit, so a failing test never leaves a mount behind.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -98,3 +99,49 @@ def fsck(volume, *extra) -> subprocess.CompletedProcess:
 def assert_fsck_clean(volume):
     res = fsck(volume)
     assert res.returncode == 0, f"fsck found problems:\n{res.stdout}{res.stderr}"
+
+
+def fragment_count(volume) -> int:
+    """Fragments on the devices inside ``volume`` (those mkfs made there)."""
+    from fragments import on_device
+    return sum(len(on_device(os.path.dirname(m))) for m in glob.glob(f"{volume}/*/DEVICE"))
+
+
+def write_stored(path, nbytes):
+    """``nbytes`` random bytes written to ``path`` and fsync'ed (stored on the devices)."""
+    with open(path, "wb") as f:
+        f.write(os.urandom(nbytes))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def wait_collected(mp, volume, fragments):
+    """Until `bmfs status` shows nothing left to collect and the devices hold
+    ``fragments`` fragments again (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while True:
+        st = json.loads(bmfs("status", "--json", mp).stdout)
+        left = fragment_count(volume)
+        if not st["layers_to_collect"] and not st["stripes_awaiting_gc"] and left == fragments:
+            return
+        assert time.monotonic() < deadline, (st["layers_to_collect"],
+                                             st["stripes_awaiting_gc"], left, fragments)
+        time.sleep(0.2)
+
+
+def delete_snapshot_left_to_collect(volume, name):
+    """Delete snapshot ``name`` of ``volume`` as a mount that went away before freeing
+    anything leaves it (op_snapshot_delete with collect=False, in a process of its
+    own): its stdout."""
+    code = ("import sys, trio\n"
+            "from bmfs.vfs.volume import Volume\n"
+            "from bmfs.meta.branches import op_snapshot_delete\n"
+            "async def main():\n"
+            "    vol = await Volume.open(sys.argv[1])\n"
+            "    try:\n"
+            "        print(await op_snapshot_delete(vol.kv, sys.argv[2], collect=False))\n"
+            "    finally:\n"
+            "        await vol.aclose()\n"
+            "trio.run(main)\n")
+    return subprocess.run([sys.executable, "-c", code, str(volume), name], check=True,
+                          capture_output=True, text=True).stdout

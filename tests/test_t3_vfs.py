@@ -8,6 +8,7 @@ import trio
 
 from bmfs.errors import FsError
 from bmfs.meta import branches as br
+from bmfs.meta import keys
 from bmfs.meta import namespace as ns
 from bmfs.meta.records import Inode
 from bmfs.vfs.fs import FileSystem
@@ -604,6 +605,50 @@ def test_deleting_a_snapshot_gives_back_what_only_it_held(tmp_path):
         assert await read_file(fs, rewritten) == new
         with raises(errno.ENOENT):
             await fs.lookup(ROOT, b"deleted")
+    run(t, tmp_path)
+
+
+def test_collecting_deleted_trees_later_keeps_the_mark_of_a_newer_delete(tmp_path):
+    """Deletes left to collect_pending (a mount's background upkeep) free what deletes
+    that collect at once free; a delete that comes while a collection runs keeps the
+    mark, so the next collection sees it."""
+    async def t(fs):
+        await write_file(fs, ROOT, b"f", os.urandom(8 << 20))
+        await br.op_snapshot_create(fs.kv, "s")
+        await br.op_branch_create(fs.kv, "b", "s")
+        await fs.views.refresh()
+        await fs.unlink(ROOT, b"f")  # only the snapshot and the branch have it now
+        stripes = len(await fs.kv.range(b"t/", b"t0"))
+        assert stripes == 2
+        assert await br.collect_pending(fs.kv) is None  # nothing pending
+        assert (await br.op_snapshot_delete(fs.kv, "s", collect=False)) == \
+            {"freed_layers": None}
+        mark = await fs.kv.get(keys.COLLECT_LAYERS)
+        assert mark is not None
+
+        real = br.collect_layers
+
+        async def with_a_delete_meanwhile(kv):
+            await br.op_branch_delete(kv, "b", collect=False)  # during the pass
+            return await real(kv)
+        br.collect_layers = with_a_delete_meanwhile
+        try:
+            assert await br.collect_pending(fs.kv) == 1  # the branch's own layer
+        finally:
+            br.collect_layers = real
+        assert await fs.kv.get(keys.COLLECT_LAYERS) not in (None, mark)
+        problems, notes = await fsck(fs.volume)  # still to collect: not a problem
+        assert problems == [] and any("still to collect" in n for n in notes), notes
+        problems, notes = await fsck(fs.volume, repair=True)  # collects it
+        assert problems == [] and "collected 0 layers of deleted branches and " \
+            "snapshots" in notes, notes
+        assert await fs.kv.get(keys.COLLECT_LAYERS) is None
+        assert await br.collect_pending(fs.kv) is None
+        await fs.views.refresh()
+        await fs.volume_gc()
+        assert await fs.kv.range(b"t/", b"t0") == []  # the file's stripes are freed
+        assert await br.op_snapshot_list(fs.kv) == []
+        assert [b["name"] for b in await br.op_branch_list(fs.kv)] == ["main"]
     run(t, tmp_path)
 
 

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from fragments import on_device
-from mountutil import Mounted, assert_fsck_clean, bmfs
+from mountutil import (Mounted, assert_fsck_clean, bmfs, delete_snapshot_left_to_collect,
+                       fragment_count, wait_collected, write_stored)
 
 
 def sh(cmd, **kw):
@@ -474,3 +475,38 @@ def test_repair_that_cannot_rebuild_a_stripe_exits_1(mnt):
     assert "repair: 1 stripes failed" in r.stderr
     with open(f"{mp}/keep", "rb") as f:
         assert f.read() == keep
+
+
+def test_deleted_trees_are_freed_in_the_background(volume, tmp_path):
+    """`bmfs branch delete` and `bmfs snapshot delete` return once the tree is gone; the
+    mount then frees in the background what only it used (its layers, their stripes,
+    their fragments on the devices), and `bmfs status` says while that is under way.
+    A delete whose mount went away before freeing leaves a mark in the metadata: the
+    next mount frees it."""
+    mp = tmp_path / "mnt"
+    with Mounted(volume, mp):
+        before = fragment_count(volume)
+        bmfs("branch", "create", "exp", "-m", mp)
+        write_stored(f"{mp}/.bm/branches/exp/big", 9 << 20)  # 3 stripes, 18 fragments
+        assert fragment_count(volume) == before + 18
+        r = bmfs("branch", "delete", "exp", "-m", mp)
+        assert "freed in the background" in r.stdout
+        assert not os.path.exists(f"{mp}/.bm/branches/exp")
+        wait_collected(mp, volume, before)
+
+        write_stored(f"{mp}/kept", 9 << 20)  # in main, then in a snapshot only
+        bmfs("snapshot", "create", "s", "-m", mp)
+        os.unlink(f"{mp}/kept")
+        with_snapshot = fragment_count(volume)
+        assert with_snapshot == before + 18
+    # the snapshot deleted by a mount that went away before it freed anything
+    out = delete_snapshot_left_to_collect(volume, "s")
+    assert "'freed_layers': None" in out
+    st = json.loads(bmfs("status", "--json", volume).stdout)
+    assert st["layers_to_collect"] and st["snapshots"] == []
+    assert fragment_count(volume) == with_snapshot  # nothing freed yet
+    r = bmfs("fsck", volume)  # not a problem: the next mount finishes it
+    assert "still to collect" in r.stdout
+    with Mounted(volume, mp):
+        wait_collected(mp, volume, before)
+    assert_fsck_clean(volume)

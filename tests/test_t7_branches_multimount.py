@@ -2,7 +2,8 @@
 import os
 
 from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
-from mountutil import Mounted, assert_fsck_clean, bmfs
+from mountutil import (Mounted, assert_fsck_clean, bmfs, delete_snapshot_left_to_collect,
+                       fragment_count, wait_collected, write_stored)
 from multimount import etcd_volume, wait_until
 
 
@@ -59,3 +60,17 @@ def test_branch_isolation_across_remount(volume, tmp_path):
         assert _read(f"{mp}/f") == b"exp"
         assert sorted(os.listdir(f"{mp}/.bm/branches")) == ["exp", "main"]
     assert_fsck_clean(volume)
+
+
+def test_a_delete_left_to_collect_is_collected_by_the_leading_mount(etcd_cluster, tmp_path):
+    """On a shared volume, a snapshot deleted by a mount that went away before it
+    freed anything: the mount that leads the background upkeep (the oldest) frees what
+    only the snapshot held, and the mark goes."""
+    with etcd_volume(etcd_cluster, tmp_path, 2) as (a, b):
+        before = fragment_count(a.volume)
+        write_stored(f"{a.mp}/kept", 9 << 20)
+        bmfs("snapshot", "create", "s", "-m", a.mp)
+        os.unlink(f"{b.mp}/kept")
+        assert fragment_count(a.volume) == before + 18
+        delete_snapshot_left_to_collect(a.volume, "s")
+        wait_collected(b.mp, a.volume, before)

@@ -93,6 +93,10 @@ def _print(op, r):
     elif op.endswith("_create"):
         out.write(f"created {op.split('_')[0]} {r['name']}\n")
     elif op.endswith("_delete"):
-        out.write(f"deleted; {r['freed_layers']} layers freed\n")
+        if r.get("freed_layers") is None:
+            out.write("deleted; what only it used is freed in the background "
+                      "(bmfs status says when)\n")
+        else:
+            out.write(f"deleted; {r['freed_layers']} layers freed\n")
     elif op == "branch_reset":
         out.write(f"branch {r['branch']} reset to snapshot {r['to']}\n")

@@ -33,6 +33,7 @@ from .ops import Operations
 
 log = logging.getLogger(__name__)
 GC_INTERVAL = 5.0
+GC_BATCH = 1000  # stripes a volume_gc call deletes at most (vfs/gc.collect)
 REPAIR_EVERY = int(os.environ.get("BMFS_REPAIR_ROUNDS", 6))  # GC rounds between repairs
 
 
@@ -171,11 +172,14 @@ async def _gc_loop(fs):
     shared = hasattr(fs.kv, "grant_lease")  # other mounts may die holding orphans
     rounds = 0
     while True:
-        await trio.sleep(GC_INTERVAL)
+        with trio.move_on_after(GC_INTERVAL):
+            await fs.collect_now.wait()  # a tree deleted here: its layers at once
+        asked, fs.collect_now = fs.collect_now.is_set(), trio.Event()
         rounds += 1
         try:
             await fs.volume.refresh_devices()  # devices added or drained elsewhere
             await fs.volume.record_damage()
+            await _collect_layers(fs, asked, shared)
             await fs.volume_gc()
             if shared:
                 await session.sweep_orphans(fs)
@@ -192,6 +196,23 @@ async def _gc_loop(fs):
             log.warning("garbage collection failed (%s); will retry", e)
         except Exception:
             log.exception("garbage collection failed; will retry")
+
+
+async def _collect_layers(fs, asked: bool, shared: bool) -> None:
+    """Collect the layers of deleted branches and snapshots (branches.collect_pending),
+    then delete the fragments of the stripes that freed, all of them: if a tree was
+    deleted through this mount, or another mount's delete left them (it was unmounted
+    or crashed first) and this mount leads the upkeep of a shared volume."""
+    from ..meta import branches, keys
+    if not asked and (await fs.kv.get(keys.COLLECT_LAYERS) is None
+                      or (shared and not await session.leads_repair(fs))):
+        return
+    freed = await branches.collect_pending(fs.kv)
+    if freed is None:
+        return
+    while await fs.volume_gc() >= GC_BATCH:
+        pass
+    log.info("collected %d layers of deleted branches and snapshots", freed)
 
 
 async def _signals():

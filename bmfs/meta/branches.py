@@ -153,28 +153,49 @@ async def op_snapshot_list(kv) -> list[dict]:
     return await _list(kv, b"n/")
 
 
-async def op_branch_delete(kv, name: str) -> dict:
+async def op_branch_delete(kv, name: str, collect: bool = True) -> dict:
+    """Delete branch ``name``; then collect the layers only it used (collect_layers),
+    or with ``collect=False`` leave that to collect_pending (a mount's background
+    upkeep): {"freed_layers": how many, or None when left}."""
     validate_name("branch", name)
     if name == "main":
         raise Perm("branch main cannot be deleted")
-
-    async def fn(txn):
-        if await txn.get(keys.branch(name)) is None:
-            raise NotFound(f"no branch named {name!r}")
-        txn.delete(keys.branch(name))
-    await kv.transact(fn)
-    return {"freed_layers": await collect_layers(kv)}
+    return await _delete_tree(kv, "branch", keys.branch(name), name, collect)
 
 
-async def op_snapshot_delete(kv, name: str) -> dict:
+async def op_snapshot_delete(kv, name: str, collect: bool = True) -> dict:
+    """Delete snapshot ``name``; layers as op_branch_delete."""
     validate_name("snapshot", name)
+    return await _delete_tree(kv, "snapshot", keys.snapshot(name), name, collect)
+
+
+async def _delete_tree(kv, kind: str, key: bytes, name: str, collect: bool) -> dict:
+    async def fn(txn):
+        if await txn.get(key) is None:
+            raise NotFound(f"no {kind} named {name!r}")
+        txn.delete(key)
+        if not collect:
+            count = await txn.get(keys.COLLECT_LAYERS)
+            txn.put(keys.COLLECT_LAYERS, b"%d" % (int(count or 0) + 1))
+    await kv.transact(fn)
+    return {"freed_layers": await collect_layers(kv) if collect else None}
+
+
+async def collect_pending(kv) -> int | None:
+    """Collect the layers of the trees deleted with ``collect=False`` (collect_layers):
+    how many were freed, or None if none was pending. The mark is cleared only if no
+    other delete came meanwhile (that one's layers may be missed by this pass). Safe to
+    run in several mounts at once: they only do the same work."""
+    mark = await kv.get(keys.COLLECT_LAYERS)
+    if mark is None:
+        return None
+    freed = await collect_layers(kv)
 
     async def fn(txn):
-        if await txn.get(keys.snapshot(name)) is None:
-            raise NotFound(f"no snapshot named {name!r}")
-        txn.delete(keys.snapshot(name))
+        if await txn.get(keys.COLLECT_LAYERS) == mark:
+            txn.delete(keys.COLLECT_LAYERS)
     await kv.transact(fn)
-    return {"freed_layers": await collect_layers(kv)}
+    return freed
 
 
 async def op_branch_reset(kv, name: str, to: str) -> dict:

@@ -48,6 +48,10 @@ LIVE = b"\x01"
 TOMBSTONE = b"\x00"
 
 SETTINGS = b"v/settings"
+# present while branches or snapshots deleted by a mount have layers still to collect
+# (branches.collect_pending): a count of such deletes, so a collection that started
+# before the latest one does not clear it
+COLLECT_LAYERS = b"v/collect-layers"
 
 
 def counter(name: str) -> bytes:

@@ -123,6 +123,11 @@ class Control:
         if fn is None:
             raise Invalid(f"unknown control operation {op!r}")
         args = {k: v for k, v in req.items() if k != "op"}
+        deleting = op in ("branch_delete", "snapshot_delete")
+        if deleting:
+            # the layers only the tree used are collected in the background (a pass
+            # over every layered key of the volume: seconds at a million files)
+            args["collect"] = False
         result = await fn(self.kv, **args)
         await self.fs.views.refresh()
         if isinstance(result, dict) and branches.TOUCHED in result:
@@ -132,6 +137,8 @@ class Control:
             # still show (with its contents) until then
             parent = CTL_BRANCHES if op == "branch_delete" else CTL_SNAPSHOTS
             await self.fs.notify.entry(parent, args["name"].encode())
-        if op in ("branch_delete", "snapshot_delete", "branch_reset", "merge"):
+        if deleting:
+            self.fs.collect_now.set()
+        elif op in ("branch_reset", "merge"):
             await self.fs.volume_gc()
         return result

@@ -16,6 +16,8 @@ import stat
 import time
 from dataclasses import dataclass
 
+import trio
+
 from ..config import MAX_NAME
 from ..errors import (CrossDevice, Exists, FsError, Invalid, IsDir, NameTooLong, NoAttr, NotDir,
                       NotEmpty, NotFound, NotSupported, Perm, Range, ReadOnly)
@@ -70,6 +72,9 @@ class FileSystem:
         self.views = views
         self.files = Files(self)
         self.control = None  # set by control.py (branch commands through /.bm/ctl)
+        # set when a branch or snapshot deleted here has layers to collect: the mount's
+        # upkeep (fuse/mount.py _gc_loop) collects them at once, in the background
+        self.collect_now = trio.Event()
         self.notify = None   # set by the front end: async inode(fino), entry(parent, name)
         self._ino_next = self._ino_end = 0
         self._start = time.time_ns()

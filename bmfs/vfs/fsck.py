@@ -6,7 +6,8 @@ every inode is reachable; link counts match entries (files) and 2 + subdirectori
 each stripe's reference count equals the number of stored slice lists that mention
 it; every fragment of an erasure-coded stripe is on its device with a valid header
 (``full=True`` also verifies every block checksum); no device holds fragment files
-no stripe owns. ``repair=True`` deletes leaked fragments and empties the GC queue.
+no stripe owns. ``repair=True`` deletes leaked fragments and empties the GC queue,
+after collecting the layers of deleted branches and snapshots still to collect.
 """
 from __future__ import annotations
 
@@ -85,11 +86,15 @@ async def check_tree(kv, label: str, chain: Chain, problems: list[str]) -> None:
             problems.append(f"{label}: slices of missing inode {ino}")
 
 
-async def check_refs(kv, live_layers: set[int], problems: list[str]) -> dict[int, Stripe]:
+async def check_refs(kv, live_layers: set[int], problems: list[str],
+                     collecting: bool = False) -> dict[int, Stripe]:
+    """Reference counts against the slice lists that hold them. ``collecting``: deleted
+    trees' layers are still to collect (v/collect-layers): their slice lists still
+    hold their references, and are not a problem."""
     counts = Counter()
     for k, v in await kv.range(b"c/", b"c0"):
         lay = int(k[-8:], 16)
-        if lay not in live_layers:
+        if lay not in live_layers and not collecting:
             problems.append(f"slice list {k!r} belongs to a layer no tree uses")
             continue
         if v[:1] == keys.LIVE:
@@ -173,11 +178,20 @@ async def fsck(volume, full: bool = False, repair: bool = False) -> tuple[list[s
     problems: list[str] = []
     notes: list[str] = []
     views = Views(volume.kv)
+    collecting = await volume.kv.get(keys.COLLECT_LAYERS) is not None
+    if collecting and repair:
+        from ..meta.branches import collect_pending
+        freed = await collect_pending(volume.kv)
+        notes.append(f"collected {freed} layers of deleted branches and snapshots")
+        collecting = await volume.kv.get(keys.COLLECT_LAYERS) is not None
+    if collecting:
+        notes.append("deleted branches or snapshots are still to collect: the next mount "
+                     "(or fsck --repair) frees what only they used")
     trees = await live_trees(volume.kv, views)
     live = set()
     for label, chain in trees:
         live.update(chain.layers)
         await check_tree(volume.kv, label, chain, problems)
-    stripes = await check_refs(volume.kv, live, problems)
+    stripes = await check_refs(volume.kv, live, problems, collecting)
     await check_fragments(volume, stripes, full, repair, problems, notes)
     return problems, notes

@@ -42,13 +42,15 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
                 d["membership"] = {"node": name, "heartbeat": rec["heartbeat"]}
     pending_repair = len(await volume.kv.range(b"h/", b"h0"))
     gc_queue = len(await volume.kv.range(b"g/", b"g0"))
+    collecting = await volume.kv.get(keys.COLLECT_LAYERS) is not None
     branches = [k[2:].decode() for k, _ in await volume.kv.range(b"b/", b"b0")]
     snapshots = [k[2:].decode() for k, _ in await volume.kv.range(b"n/", b"n0")]
     return {"volume": os.path.abspath(volume.path), "uuid": s.uuid, "ec": f"{s.k}+{s.m}",
             "format": s.format, "stripe_size": s.stripe_size, "inline_max": s.inline_max,
             "meta": volume.kv.url, "meta_engine": volume.kv.statistics(), "devices": devices,
             "removed_devices": sorted(volume.removed), "nodes": nodes, "fragments_awaiting_repair": pending_repair,
-            "stripes_awaiting_gc": gc_queue, "branches": branches, "snapshots": snapshots,
+            "stripes_awaiting_gc": gc_queue, "layers_to_collect": collecting,
+            "branches": branches, "snapshots": snapshots,
             "data": data_stats or dict(volume.data.stats),
             "transport": dict(getattr(volume.transport, "stats", {}))}
 
@@ -79,7 +81,9 @@ def render(st: dict) -> str:
                          f"last heartbeat {max(0.0, time.time() - rec['heartbeat']):.1f} s ago")
     lines.append("")
     lines.append(f"fragments awaiting repair: {st['fragments_awaiting_repair']}; "
-                 f"stripes awaiting GC: {st['stripes_awaiting_gc']}")
+                 f"stripes awaiting GC: {st['stripes_awaiting_gc']}"
+                 + ("; deleted branches or snapshots still being collected"
+                    if st.get("layers_to_collect") else ""))
     lines.append("reads: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in st["data"].items()))
     return "\n".join(lines)
 

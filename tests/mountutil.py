@@ -122,9 +122,10 @@ def wait_collected(mp, volume, fragments):
     while True:
         st = json.loads(bmfs("status", "--json", mp).stdout)
         left = fragment_count(volume)
-        if not st["layers_to_collect"] and not st["stripes_awaiting_gc"] and left == fragments:
+        if (not st["collecting_deleted_trees"] and not st["stripes_awaiting_gc"]
+                and left == fragments):
             return
-        assert time.monotonic() < deadline, (st["layers_to_collect"],
+        assert time.monotonic() < deadline, (st["collecting_deleted_trees"],
                                              st["stripes_awaiting_gc"], left, fragments)
         time.sleep(0.2)
 

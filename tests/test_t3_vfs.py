@@ -610,8 +610,9 @@ def test_deleting_a_snapshot_gives_back_what_only_it_held(tmp_path):
 
 def test_collecting_deleted_trees_later_keeps_the_mark_of_a_newer_delete(tmp_path):
     """Deletes left to collect_pending (a mount's background upkeep) free what deletes
-    that collect at once free; a delete that comes while a collection runs keeps the
-    mark, so the next collection sees it."""
+    that collect at once free. A delete that comes while a collection runs keeps the
+    mark, even after another pass cleared the mark the first one read (each delete
+    marks with a number of its own), so the next collection sees it."""
     async def t(fs):
         await write_file(fs, ROOT, b"f", os.urandom(8 << 20))
         await br.op_snapshot_create(fs.kv, "s")
@@ -628,10 +629,13 @@ def test_collecting_deleted_trees_later_keeps_the_mark_of_a_newer_delete(tmp_pat
 
         real = br.collect_layers
 
-        async def with_a_delete_meanwhile(kv):
-            await br.op_branch_delete(kv, "b", collect=False)  # during the pass
+        async def another_pass_and_a_delete_meanwhile(kv):
+            br.collect_layers = real
+            assert await br.collect_pending(kv) == 0  # another mount's pass ends first
+            assert await kv.get(keys.COLLECT_LAYERS) is None
+            await br.op_branch_delete(kv, "b", collect=False)  # then a delete marks again
             return await real(kv)
-        br.collect_layers = with_a_delete_meanwhile
+        br.collect_layers = another_pass_and_a_delete_meanwhile
         try:
             assert await br.collect_pending(fs.kv) == 1  # the branch's own layer
         finally:
@@ -649,6 +653,34 @@ def test_collecting_deleted_trees_later_keeps_the_mark_of_a_newer_delete(tmp_pat
         assert await fs.kv.range(b"t/", b"t0") == []  # the file's stripes are freed
         assert await br.op_snapshot_list(fs.kv) == []
         assert [b["name"] for b in await br.op_branch_list(fs.kv)] == ["main"]
+    run(t, tmp_path)
+
+
+def test_trees_made_during_a_collection_are_not_collected(tmp_path):
+    """A snapshot and a branch made by another mount while a collection runs, after it
+    read which layers the trees use: their new layers (main's new head among them)
+    are not taken for dead, and the volume stays whole."""
+    async def t(fs):
+        await write_file(fs, ROOT, b"f", b"kept")
+        await br.op_branch_create(fs.kv, "old")
+        await br.op_branch_delete(fs.kv, "old", collect=False)
+        real = br.live_layers
+
+        async def trees_made_meanwhile(kv):
+            live = await real(kv)
+            await br.op_snapshot_create(kv, "s")
+            await br.op_branch_create(kv, "b", "s")
+            return live
+        br.live_layers = trees_made_meanwhile
+        try:
+            assert await br.collect_pending(fs.kv) == 1  # the deleted branch's layer
+        finally:
+            br.live_layers = real
+        await fs.views.refresh()
+        assert await read_file(fs, (await fs.lookup(ROOT, b"f")).ino) == b"kept"
+        problems, _ = await fsck(fs.volume)
+        assert problems == []
+        assert [b["name"] for b in await br.op_branch_list(fs.kv)] == ["b", "main"]
     run(t, tmp_path)
 
 

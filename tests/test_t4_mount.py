@@ -503,7 +503,7 @@ def test_deleted_trees_are_freed_in_the_background(volume, tmp_path):
     out = delete_snapshot_left_to_collect(volume, "s")
     assert "'freed_layers': None" in out
     st = json.loads(bmfs("status", "--json", volume).stdout)
-    assert st["layers_to_collect"] and st["snapshots"] == []
+    assert st["collecting_deleted_trees"] and st["snapshots"] == []
     assert fragment_count(volume) == with_snapshot  # nothing freed yet
     r = bmfs("fsck", volume)  # not a problem: the next mount finishes it
     assert "still to collect" in r.stdout

@@ -71,6 +71,8 @@ def test_a_delete_left_to_collect_is_collected_by_the_leading_mount(etcd_cluster
         write_stored(f"{a.mp}/kept", 9 << 20)
         bmfs("snapshot", "create", "s", "-m", a.mp)
         os.unlink(f"{b.mp}/kept")
+        # committed once mount a sees it (the snapshot then holds the only version)
+        wait_until(lambda: not os.path.exists(f"{a.mp}/kept"), 10, 0.05)
         assert fragment_count(a.volume) == before + 18
         delete_snapshot_left_to_collect(a.volume, "s")
         wait_collected(b.mp, a.volume, before)

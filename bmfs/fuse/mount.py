@@ -175,7 +175,7 @@ async def _gc_loop(fs):
         with trio.move_on_after(GC_INTERVAL):
             await fs.collect_now.wait()  # a tree deleted here: its layers at once
         asked, fs.collect_now = fs.collect_now.is_set(), trio.Event()
-        rounds += 1
+        rounds += not asked  # (repairs come every REPAIR_EVERY timed rounds)
         try:
             await fs.volume.refresh_devices()  # devices added or drained elsewhere
             await fs.volume.record_damage()

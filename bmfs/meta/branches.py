@@ -24,6 +24,8 @@ import stat
 import time
 from collections import Counter, defaultdict
 
+import trio
+
 from ..errors import Busy, Exists, FsError, Invalid, NotFound, Perm
 from ..kv import prefix_end
 from . import keys
@@ -174,9 +176,10 @@ async def _delete_tree(kv, kind: str, key: bytes, name: str, collect: bool) -> d
         if await txn.get(key) is None:
             raise NotFound(f"no {kind} named {name!r}")
         txn.delete(key)
-        if not collect:
-            count = await txn.get(keys.COLLECT_LAYERS)
-            txn.put(keys.COLLECT_LAYERS, b"%d" % (int(count or 0) + 1))
+        if not collect:  # the mark: a number no delete had before (never reset)
+            n = int(await txn.get(keys.counter("collect")) or 0) + 1
+            txn.put(keys.counter("collect"), b"%d" % n)
+            txn.put(keys.COLLECT_LAYERS, b"%d" % n)
     await kv.transact(fn)
     return {"freed_layers": await collect_layers(kv) if collect else None}
 
@@ -184,8 +187,9 @@ async def _delete_tree(kv, kind: str, key: bytes, name: str, collect: bool) -> d
 async def collect_pending(kv) -> int | None:
     """Collect the layers of the trees deleted with ``collect=False`` (collect_layers):
     how many were freed, or None if none was pending. The mark is cleared only if no
-    other delete came meanwhile (that one's layers may be missed by this pass). Safe to
-    run in several mounts at once: they only do the same work."""
+    other delete came meanwhile (that one's layers may be missed by this pass): each
+    delete marks with a number of its own. Safe to run in several mounts at once (see
+    collect_layers): they only do the same work."""
     mark = await kv.get(keys.COLLECT_LAYERS)
     if mark is None:
         return None
@@ -239,9 +243,16 @@ async def live_layers(kv) -> set[int]:
 
 async def collect_layers(kv, batch: int = 500) -> int:
     """Delete every layer no branch or snapshot uses, with its keys and references;
-    then the versions that layers kept under another hide (prune_shadowed)."""
+    then the versions that layers kept under another hide (prune_shadowed).
+
+    Safe beside other mounts' branch operations: a layer made after the pass read the
+    heads (numbered from the layer counter read before them) is never taken for dead;
+    a layer a head left meanwhile (a reset) is taken for live, and left to the next
+    pass. It yields to the event loop after each page of keys it reads."""
+    first_new = int(await kv.get(keys.counter("layer")) or 2)
     live = await live_layers(kv)
-    dead = {int(k[2:], 16) for k, _ in await kv.range(b"y/", b"y0")} - live
+    dead = {lay for lay in (int(k[2:], 16) for k, _ in await kv.range(b"y/", b"y0"))
+            if lay < first_new} - live
     if not dead:
         await _prune(kv)
         return 0
@@ -252,6 +263,7 @@ async def collect_layers(kv, batch: int = 500) -> int:
             doomed = [(k, v) for k, v in rows if k[-9:-8] == b"@" and int(k[-8:], 16) in dead]
             for i in range(0, len(doomed), batch):
                 await _drop_keys(kv, doomed[i:i + batch])
+            await trio.lowlevel.checkpoint()  # (a local engine reads on the event loop)
             if len(rows) < 10000:
                 break
             start = rows[-1][0] + b"\x00"
@@ -322,6 +334,7 @@ async def prune_shadowed(kv, batch: int = 100) -> int:
                 if n is None:
                     return dropped
                 dropped += n
+            await trio.lowlevel.checkpoint()  # (a local engine reads on the event loop)
             if len(rows) < 10000:
                 break
             # (a key's versions are adjacent: the next page starts at the last key's

@@ -49,7 +49,7 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
             "format": s.format, "stripe_size": s.stripe_size, "inline_max": s.inline_max,
             "meta": volume.kv.url, "meta_engine": volume.kv.statistics(), "devices": devices,
             "removed_devices": sorted(volume.removed), "nodes": nodes, "fragments_awaiting_repair": pending_repair,
-            "stripes_awaiting_gc": gc_queue, "layers_to_collect": collecting,
+            "stripes_awaiting_gc": gc_queue, "collecting_deleted_trees": collecting,
             "branches": branches, "snapshots": snapshots,
             "data": data_stats or dict(volume.data.stats),
             "transport": dict(getattr(volume.transport, "stats", {}))}
@@ -83,7 +83,7 @@ def render(st: dict) -> str:
     lines.append(f"fragments awaiting repair: {st['fragments_awaiting_repair']}; "
                  f"stripes awaiting GC: {st['stripes_awaiting_gc']}"
                  + ("; deleted branches or snapshots still being collected"
-                    if st.get("layers_to_collect") else ""))
+                    if st.get("collecting_deleted_trees") else ""))
     lines.append("reads: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in st["data"].items()))
     return "\n".join(lines)
 

@@ -656,6 +656,32 @@ def test_collecting_deleted_trees_later_keeps_the_mark_of_a_newer_delete(tmp_pat
     run(t, tmp_path)
 
 
+def test_collection_in_pages_of_a_few_keys(tmp_path, monkeypatch):
+    """The collection reads the layered keys a page at a time (branches.GC_PAGE, and
+    yields between pages): with pages of 3 keys, a key's versions split over pages, it
+    frees the same as in one page: the deleted branch's layer and what the deleted
+    snapshot alone held."""
+    monkeypatch.setattr(br, "GC_PAGE", 3)
+
+    async def t(fs):
+        for i in range(5):
+            await write_file(fs, ROOT, b"f%d" % i, os.urandom(64 << 10))  # a stripe each
+        await br.op_snapshot_create(fs.kv, "s")
+        await br.op_branch_create(fs.kv, "b", "s")
+        await fs.views.refresh()
+        for i in range(3):
+            await fs.unlink(ROOT, b"f%d" % i)
+        await br.op_snapshot_delete(fs.kv, "s", collect=False)
+        await br.op_branch_delete(fs.kv, "b", collect=False)
+        assert await br.collect_pending(fs.kv) == 1
+        await fs.views.refresh()
+        await fs.volume_gc()
+        assert len(await fs.kv.range(b"t/", b"t0")) == 2  # f3's and f4's
+        problems, _ = await fsck(fs.volume)
+        assert problems == []
+    run(t, tmp_path)
+
+
 def test_trees_made_during_a_collection_are_not_collected(tmp_path):
     """A snapshot and a branch made by another mount while a collection runs, after it
     read which layers the trees use: their new layers (main's new head among them)

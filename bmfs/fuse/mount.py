@@ -33,7 +33,6 @@ from .ops import Operations
 
 log = logging.getLogger(__name__)
 GC_INTERVAL = 5.0
-GC_BATCH = 1000  # stripes a volume_gc call deletes at most (vfs/gc.collect)
 REPAIR_EVERY = int(os.environ.get("BMFS_REPAIR_ROUNDS", 6))  # GC rounds between repairs
 
 
@@ -210,7 +209,7 @@ async def _collect_layers(fs, asked: bool, shared: bool) -> None:
     freed = await branches.collect_pending(fs.kv)
     if freed is None:
         return
-    while await fs.volume_gc() >= GC_BATCH:
+    while await fs.volume_gc() >= gc.BATCH:
         pass
     log.info("collected %d layers of deleted branches and snapshots", freed)
 

@@ -10,7 +10,10 @@ from ..meta import keys
 from ..meta.records import Stripe
 
 
-async def collect(volume, limit: int = 1000) -> int:
+BATCH = 1000  # stripes a collect() call deletes by default
+
+
+async def collect(volume, limit: int = BATCH) -> int:
     """Delete the fragments of up to ``limit`` queued stripes; returns how many."""
     rows = await volume.kv.range(b"g/", b"g0", limit)
     for k, raw in rows:

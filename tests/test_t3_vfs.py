@@ -13,6 +13,7 @@ from bmfs.meta import namespace as ns
 from bmfs.meta.records import Inode
 from bmfs.vfs.fs import FileSystem
 from bmfs.vfs.fsck import fsck
+from bmfs.vfs.views import VIEW_SHIFT
 from bmfs.vfs.volume import Volume, mkfs
 from vfsutil import open_fs, read_file, write_file
 
@@ -677,6 +678,34 @@ def test_collection_in_pages_of_a_few_keys(tmp_path, monkeypatch):
         await fs.views.refresh()
         await fs.volume_gc()
         assert len(await fs.kv.range(b"t/", b"t0")) == 2  # f3's and f4's
+        problems, _ = await fsck(fs.volume)
+        assert problems == []
+    run(t, tmp_path)
+
+
+def test_data_hidden_several_layers_up_is_freed(tmp_path):
+    """A snapshot, then a branch made from main (which froze main's top again: an
+    empty layer between the snapshot's and main's), then a file deleted in main: once
+    the snapshot is deleted the branch still shows the file, and once the branch is
+    deleted too the file's data is freed (its only version is hidden two layers up,
+    by main's tombstone). Before, it stayed taken for good."""
+    async def t(fs):
+        data = os.urandom(8 << 20)
+        await write_file(fs, ROOT, b"f", data)
+        await br.op_snapshot_create(fs.kv, "s")
+        await br.op_branch_create(fs.kv, "b")  # from main
+        await fs.views.refresh()
+        await fs.unlink(ROOT, b"f")
+        await br.op_snapshot_delete(fs.kv, "s")
+        await fs.views.refresh()
+        await fs.volume_gc()
+        assert len(await fs.kv.range(b"t/", b"t0")) == 2  # the branch still has it
+        root = (await fs.views.add("branch", "b")).id << VIEW_SHIFT | 1
+        assert await read_file(fs, (await fs.lookup(root, b"f")).ino) == data
+        await br.op_branch_delete(fs.kv, "b")
+        await fs.views.refresh()
+        await fs.volume_gc()
+        assert await fs.kv.range(b"t/", b"t0") == []
         problems, _ = await fsck(fs.volume)
         assert problems == []
     run(t, tmp_path)

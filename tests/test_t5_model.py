@@ -368,8 +368,8 @@ class FsModel(RuleBasedStateMachine):
 
 
 class BranchModel(FsModel):
-    """File operations in main and in branches, mixed with snapshot, branch create,
-    reset, delete and fast-forward merge."""
+    """File operations in main and in branches, mixed with snapshot create and
+    delete, branch create, reset, delete and fast-forward merge."""
 
     def __init__(self):
         super().__init__()
@@ -474,6 +474,17 @@ class BranchModel(FsModel):
         self.dirty = {(t, p) for t, p in self.dirty if t != name}
         shutil.rmtree(model)
         assert not os.path.exists(os.path.dirname(real)), f"deleted branch {name} still shows"
+
+    @precondition(lambda self: self.snaps)
+    @rule(data=st.data())
+    def snapshot_delete(self, data):
+        """What the other trees show stays (the mount frees in the background what
+        only the snapshot held: prune_shadowed, while the next rules run)."""
+        name = data.draw(st.sampled_from(sorted(self.snaps)), label="snapshot")
+        self.ctl("snapshot_delete", name=name)
+        real, model = self.snaps.pop(name)
+        shutil.rmtree(model)
+        assert not os.path.exists(os.path.dirname(real)), f"deleted snapshot {name} still shows"
 
     @precondition(lambda self: self.snaps)
     @rule(data=st.data(), which=st.integers(0, 4))

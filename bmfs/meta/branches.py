@@ -294,9 +294,12 @@ async def _prune(kv) -> None:
 
 async def prune_shadowed(kv, batch: int = 100) -> int:
     """Delete the versions that no tree can see any more: those of a frozen layer
-    that no branch or snapshot names and that has one child layer, where the child
-    has a version of the same key (a value or a tombstone). Every tree that goes
-    through such a layer goes through its child first, which hides them.
+    that no branch or snapshot names and that has one child layer, where a layer on
+    its way up has a version of the same key (a value or a tombstone). The way up
+    goes from child to child while the layer reached is unnamed with one child too,
+    and ends at the first that is not (named, or forked): every tree that goes
+    through the layer goes that way first, so the first version on it hides theirs
+    (a snapshot's layer under an empty one that a branch made from main froze).
 
     What this gives back: a snapshot pins the versions of its layer; once it is
     deleted, its layer stays in main's chain (main's layers are stacked on it), and
@@ -332,8 +335,8 @@ async def prune_shadowed(kv, batch: int = 100) -> int:
             for k, v in rows:
                 if k[-9:-8] != b"@":
                     continue
-                c = child.get(int(k[-8:], 16))
-                if c is not None and k[:-8] + b"%08x" % c in present:
+                lay = int(k[-8:], 16)
+                if lay in child and any(a in present for a in _way_up(child, lay, k)):
                     doomed.append((k, v))
             for i in range(0, len(doomed), batch):
                 n = await _drop_shadowed(kv, doomed[i:i + batch], child, counter)
@@ -344,7 +347,7 @@ async def prune_shadowed(kv, batch: int = 100) -> int:
             if len(rows) < GC_PAGE:
                 break
             # (a key's versions are adjacent: the next page starts at the last key's
-            # first version, so no version is judged without its child's)
+            # first version, so no version is judged without those above it)
             last = rows[-1][0]
             start = last[:-8] + b"00000000" if last[-9:-8] == b"@" else last + b"\x00"
             if start <= rows[0][0]:
@@ -352,10 +355,19 @@ async def prune_shadowed(kv, batch: int = 100) -> int:
     return dropped
 
 
+def _way_up(child: dict, lay: int, k: bytes):
+    """The keys of ``k``'s SUB in the layers on the way up from layer ``lay``
+    (prune_shadowed), nearest first."""
+    base, c = k[:-8], child[lay]
+    while c is not None:  # (the parents form a tree: the way up ends)
+        yield base + b"%08x" % c
+        c = child.get(c)
+
+
 async def _drop_shadowed(kv, rows, child: dict, counter) -> int | None:
-    """_drop_keys for versions hidden by their layer's child (checked again in the
+    """_drop_keys for versions hidden on their layer's way up (checked again in the
     transaction); None, with nothing deleted, if a layer was made since ``counter``.
-    A hidden inode's orphan record goes only if the child's version is a tombstone
+    A hidden inode's orphan record goes only if the version hiding it is a tombstone
     (else the tree still has the nameless inode: unlinked, still open)."""
     n = 0
 
@@ -366,8 +378,11 @@ async def _drop_shadowed(kv, rows, child: dict, counter) -> int | None:
             return False
         for k, _ in rows:
             lay = int(k[-8:], 16)
-            above = await txn.get(k[:-8] + b"%08x" % child[lay])
-            if above is None:
+            for key in _way_up(child, lay, k):
+                above = await txn.get(key)
+                if above is not None:
+                    break
+            else:
                 continue
             cur = await txn.get(k)
             if cur is None:

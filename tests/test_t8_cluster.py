@@ -89,6 +89,13 @@ def _check(root, digests):
         assert h.hexdigest() == want, f"{name} differs"
 
 
+def _assert_no_decode(stats):
+    """No read needed a device it could not reach, nor a decode for one: a decode
+    counted here came from a hedge of a node slow to answer (on a loaded machine)."""
+    assert stats.get("missing_fragments", 0) == 0, stats
+    assert stats["degraded_reads"] == stats.get("hedged_reads", 0), stats
+
+
 def _drop_caches():
     subprocess.run(["sync"])
     with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -206,7 +213,7 @@ def test_drain_and_remove_move_every_fragment_off_a_device(tmp_path):
             c7.kill(3)
             _drop_caches()
             _check(mp, digests)
-            assert _status(mp)["data"]["degraded_reads"] == 0
+            _assert_no_decode(_status(mp)["data"])
             r = bmfs("node", "remove", 3, "-m", mp)
             assert "removed: True" in r.stdout, r.stdout
             digests.update({f"more/{k}": v for k, v in
@@ -258,7 +265,7 @@ def test_cluster_add_makes_room_to_drain_and_undrain(cluster, tmp_path):
         cluster.kill(3)
         _drop_caches()
         _check(mp, digests)
-        assert _status(mp)["data"]["degraded_reads"] == 0
+        _assert_no_decode(_status(mp)["data"])
         cluster.start("--node", 3)
         time.sleep(3)  # the mount skips a node for 2 s after it failed (status's stat)
         r = bmfs("node", "undrain", 3, "-m", mp)
@@ -301,7 +308,7 @@ def test_a_device_added_through_one_mount_is_used_by_another(tmp_path):
             for m in (a, b):
                 for other in (a, b):
                     assert (other / f"from-{m.name}").read_bytes() == data[m]
-            assert _status(b)["data"]["degraded_reads"] == 0
+            _assert_no_decode(_status(b)["data"])
         assert_fsck_clean(c.dir)
 
 

@@ -711,6 +711,36 @@ def test_data_hidden_several_layers_up_is_freed(tmp_path):
     run(t, tmp_path)
 
 
+def test_prune_transactions_do_not_grow_with_the_chain(tmp_path):
+    """Files that lived across 60 snapshots, deleted, then every snapshot deleted: each
+    transaction of the prune reads a hidden version's SUB once, whatever the number of
+    layers between it and what hides it (etcd bounds a transaction's operations:
+    --max-txn-ops; a transaction over it fails, and the prune with it)."""
+    async def t(fs):
+        for i in range(40):
+            await write_file(fs, ROOT, b"f%d" % i, os.urandom(64 << 10))
+        for i in range(60):
+            await br.op_snapshot_create(fs.kv, "s%d" % i)
+        await fs.views.refresh()
+        for i in range(40):
+            await fs.unlink(ROOT, b"f%d" % i)
+        sizes = []
+        commit = fs.kv.commit
+
+        async def counted(txn):
+            sizes.append(len(txn.reads) + len(txn.writes))
+            return await commit(txn)
+        fs.kv.commit = counted
+        for i in range(60):
+            await br.op_snapshot_delete(fs.kv, "s%d" % i)
+        fs.kv.commit = commit
+        await fs.views.refresh()
+        await fs.volume_gc()
+        assert await fs.kv.range(b"t/", b"t0") == []  # all 40 files' stripes freed
+        assert max(sizes) < 1500, max(sizes)  # 100 versions, a few operations each
+    run(t, tmp_path)
+
+
 def test_trees_made_during_a_collection_are_not_collected(tmp_path):
     """A snapshot and a branch made by another mount while a collection runs, after it
     read which layers the trees use: their new layers (main's new head among them)

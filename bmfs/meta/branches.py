@@ -325,21 +325,20 @@ async def prune_shadowed(kv, batch: int = 100) -> int:
              if len(kids) == 1 and lay not in heads}
     if not child:
         return 0
+    way = _ways_up(child)
     dropped = 0
     for prefix in keys.LAYERED_PREFIXES:
         start = prefix
         while True:
             rows = await kv.range(start, prefix_end(prefix), GC_PAGE)
-            present = {k for k, _ in rows}
-            doomed = []
-            for k, v in rows:
-                if k[-9:-8] != b"@":
-                    continue
-                lay = int(k[-8:], 16)
-                if lay in child and any(a in present for a in _way_up(child, lay, k)):
-                    doomed.append((k, v))
+            versions = defaultdict(list)  # SUB -> the layers of its versions here
+            for k, _ in rows:
+                if k[-9:-8] == b"@":
+                    versions[k[:-9]].append(int(k[-8:], 16))
+            doomed = [(k, v) for k, v in rows if k[-9:-8] == b"@"
+                      and _hidden(way, int(k[-8:], 16), versions[k[:-9]]) is not None]
             for i in range(0, len(doomed), batch):
-                n = await _drop_shadowed(kv, doomed[i:i + batch], child, counter)
+                n = await _drop_shadowed(kv, doomed[i:i + batch], way, counter)
                 if n is None:
                     return dropped
                 dropped += n
@@ -355,16 +354,40 @@ async def prune_shadowed(kv, batch: int = 100) -> int:
     return dropped
 
 
-def _way_up(child: dict, lay: int, k: bytes):
-    """The keys of ``k``'s SUB in the layers on the way up from layer ``lay``
-    (prune_shadowed), nearest first."""
-    base, c = k[:-8], child[lay]
-    while c is not None:  # (the parents form a tree: the way up ends)
-        yield base + b"%08x" % c
-        c = child.get(c)
+def _ways_up(child: dict) -> dict[int, tuple[int, int]]:
+    """Each layer of ``child`` and each layer its way up ends at -> (that end, its
+    distance from it). A version in layer Y lies on the way up from layer X when both
+    have the same end and Y is nearer to it; the nearest such hides X's version."""
+    way: dict[int, tuple[int, int]] = {}
+    for lay in child:
+        path = []
+        while lay in child and lay not in way:
+            path.append(lay)
+            lay = child[lay]
+        end, dist = way.get(lay, (lay, 0))
+        way.setdefault(lay, (end, dist))
+        for below in reversed(path):
+            dist += 1
+            way[below] = (end, dist)
+    return way
 
 
-async def _drop_shadowed(kv, rows, child: dict, counter) -> int | None:
+def _hidden(way: dict, lay: int, layers) -> int | None:
+    """The layer, among ``layers`` (those with a version of one SUB), of the version
+    that hides the one in layer ``lay`` (the nearest on its way up), or None."""
+    mine = way.get(lay)
+    if mine is None or mine[1] == 0:  # not prunable (named, forked, or a leaf)
+        return None
+    best = None
+    for other in layers:
+        theirs = way.get(other)
+        if theirs is not None and theirs[0] == mine[0] and theirs[1] < mine[1] and \
+                (best is None or theirs[1] > way[best][1]):
+            best = other
+    return best
+
+
+async def _drop_shadowed(kv, rows, way: dict, counter) -> int | None:
     """_drop_keys for versions hidden on their layer's way up (checked again in the
     transaction); None, with nothing deleted, if a layer was made since ``counter``.
     A hidden inode's orphan record goes only if the version hiding it is a tombstone
@@ -377,16 +400,16 @@ async def _drop_shadowed(kv, rows, child: dict, counter) -> int | None:
         if await txn.get(keys.counter("layer")) != counter:
             return False
         for k, _ in rows:
-            lay = int(k[-8:], 16)
-            for key in _way_up(child, lay, k):
-                above = await txn.get(key)
-                if above is not None:
-                    break
-            else:
+            lay, sub = int(k[-8:], 16), k[:-9]
+            # (one read of the SUB's versions: each read key costs the commit a compare,
+            # and etcd bounds a transaction's operations)
+            found = {int(vk[-8:], 16): v for vk, v in await txn.range(sub + b"@", sub + b"A")
+                     if len(vk) == len(k)}
+            hider = _hidden(way, lay, found)
+            cur = found.get(lay)
+            if hider is None or cur is None:
                 continue
-            cur = await txn.get(k)
-            if cur is None:
-                continue
+            above = found[hider]
             txn.delete(k)
             n += 1
             if k.startswith(b"c/") and cur[:1] == keys.LIVE:

@@ -18,6 +18,7 @@ from bmfs.data.client import DataClient
 from bmfs.data import fragment as fr
 from bmfs.data.codec import LIB_HEADER
 from bmfs.node.protocol import BlockingConnection, Connection, PREFIX
+from bmfs.node import server as node_server
 from bmfs.node.server import NodeServer
 from bmfs.store.file import FileStore
 from bmfs.transport import DeviceError
@@ -365,14 +366,9 @@ def test_stale_pooled_connection_is_retried_not_marked_down(tmp_path):
     run_with_nodes(tmp_path, body)
 
 
-def test_read_waits_for_a_fragment_being_written(tmp_path):
-    """A READ never sees a fragment file half-written (repair rewrites in place)."""
-    store_path = str(tmp_path / "d0")
-    FileStore.format(store_path, "vol", 0)
-    store = FileStore(store_path, "vol", 0)
-    server = NodeServer("n0", SECRET, {0: store})
-    name = fr.fragment_name(5, 0)
-    store.write(name, [b"a" * 100_000])
+def _held_writes(store):
+    """Make ``store``'s writes leave the file torn until ``release`` is set (after
+    ``entered``): (entered, release)."""
     entered, release = threading.Event(), threading.Event()
     real_write = store.write
 
@@ -384,6 +380,18 @@ def test_read_waits_for_a_fragment_being_written(tmp_path):
         real_write(n, parts)
     store.write = slow_write
     store.write_aligned = lambda n, buf: slow_write(n, [buf])  # large PUTs: O_DIRECT
+    return entered, release
+
+
+def test_read_waits_for_a_fragment_being_written(tmp_path):
+    """A READ never sees a fragment file half-written (repair rewrites in place)."""
+    store_path = str(tmp_path / "d0")
+    FileStore.format(store_path, "vol", 0)
+    store = FileStore(store_path, "vol", 0)
+    server = NodeServer("n0", SECRET, {0: store})
+    name = fr.fragment_name(5, 0)
+    store.write(name, [b"a" * 100_000])
+    entered, release = _held_writes(store)
     writer = threading.Thread(target=server._dispatch, args=(
         pb.Request(op=pb.Request.PUT, device=0, name=name), memoryview(b"b" * 100_000)))
     writer.start()
@@ -560,3 +568,143 @@ def test_spin_setting_from_the_environment(caplog):
     for bad in ("fast", "-5", "1e9", "nan"):
         assert spin_setting({"BMFS_SPIN_US": bad}) == 0.0005
     assert "BMFS_SPIN_US='fast'" in caplog.text
+
+
+def _serve_socketpair(server):
+    """A connection to ``server`` over a socketpair, served by a thread as an
+    authenticated one is (the node's _serve_connection): the client's end."""
+    a, b = socket.socketpair()
+    t = threading.Thread(target=server._serve_connection, args=(BlockingConnection(b),),
+                         daemon=True)
+    t.start()
+    return a, t
+
+
+def _frame(header: bytes, payload: bytes = b"") -> bytes:
+    return PREFIX.pack(len(header), len(payload)) + header + payload
+
+
+def _replies(sock, count):
+    """``count`` replies from ``sock``: (Response, payload bytes) each."""
+    conn = BlockingConnection(sock, 4096)
+    out = []
+    for _ in range(count):
+        resp, payload = conn.recv(pb.Response)
+        out.append((resp, bytes(payload)))
+    return out
+
+
+@pytest.mark.skipif(node_server.READS is None, reason="the C helper is not built")
+@pytest.mark.parametrize("chunk", [1, 5, 1 << 20])
+def test_small_reads_served_in_c_answer_as_python_does(tmp_path, chunk):
+    """A node's small READs are served by its C path (native/node_reads.c), which hands
+    every other frame to the Python path untouched. The same requests to a node
+    without it get the same replies, byte for byte: ranges in and past a fragment's
+    end, none, 64 and 65 of them, reads over 64 KiB, a missing fragment, a bad name,
+    an unknown device and field, a PUT in between (read back after), sent in pieces of
+    any size or all at once; and the C path did serve the plain ones."""
+    path = str(tmp_path / "d0")
+    FileStore.format(path, "vol", 3)
+    body = os.urandom(200_000)
+    name = fr.fragment_name(0xabc, 2)
+    FileStore(path, "vol", 3).write(name, [body])
+
+    def req(**kw):
+        return pb.Request(op=pb.Request.READ, device=3, name=name, **kw)
+
+    def ranges(*pairs):
+        return [pb.Range(offset=o, length=n) for o, n in pairs]
+    reqs = [
+        req(id=1, ranges=ranges((0, 4096))),
+        req(id=2, ranges=ranges((5000, 100), (0, 10), (199_990, 100))),  # short at the end
+        req(id=3, ranges=ranges((300_000, 50), (7, 0))),                 # past the end
+        req(id=0, ranges=[]),
+        req(id=2 ** 63 + 5, ranges=ranges(*[(i * 100, 10) for i in range(64)])),
+        req(id=5, ranges=ranges(*[(i, 1) for i in range(65)])),          # too many
+        req(id=6, ranges=ranges((0, 100_000))),                          # sent from the file
+        req(id=7, ranges=ranges((2 ** 63, 10))),
+        pb.Request(id=8, op=pb.Request.READ, device=3, name=fr.fragment_name(0xdef, 0),
+                   ranges=ranges((0, 10))),                              # no such fragment
+        pb.Request(id=9, op=pb.Request.READ, device=3, name="../DEVICE",
+                   ranges=ranges((0, 10))),
+        pb.Request(id=10, op=pb.Request.READ, device=4, name=name, ranges=ranges((0, 10))),
+        req(id=11, ranges=ranges((64, 64))),
+    ]
+    wire = b"".join(_frame(r.SerializeToString()) for r in reqs)
+    # a field this node does not know (a newer client's): the Python path serves it
+    wire += _frame(req(id=12, ranges=ranges((1, 2))).SerializeToString() + b"\x78\x01")
+    put = pb.Request(id=13, op=pb.Request.PUT, device=3, name=name)
+    wire += _frame(put.SerializeToString(), b"new" * 1000)
+    wire += _frame(req(id=14, ranges=ranges((0, 4000))).SerializeToString())
+    count = len(reqs) + 3
+
+    def run(native: bool):
+        FileStore(path, "vol", 3).write(name, [body])
+        server = NodeServer("n", SECRET, {3: FileStore(path, "vol", 3)})
+        if not native:
+            server.native_reads = ()
+        sock, thread = _serve_socketpair(server)
+
+        def feed():
+            for i in range(0, len(wire), chunk):
+                sock.sendall(wire[i:i + chunk])
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        got = _replies(sock, count)
+        feeder.join()
+        sock.close()
+        thread.join(5)
+        assert server.stats["requests"] == count
+        return [(r.SerializeToString(), payload) for r, payload in got], server
+
+    fast, fast_server = run(True)
+    slow, _ = run(False)
+    assert fast == slow
+    # ids 1, 2, 3, 0, 2**63+5, 11 and 14 (after the PUT)
+    assert node_server.READS.served(fast_server._native) == 7
+    replies = [pb.Response.FromString(h) for h, _ in fast]
+    assert [r.id for r in replies] == [r.id for r in reqs] + [12, 13, 14]
+    assert fast[0][1] == body[:4096] and fast[-1][1] == (b"new" * 1000)[:3000]
+    assert list(replies[1].lengths) == [100, 10, 10] and list(replies[2].lengths) == [0, 0]
+    assert fast[1][1] == body[5000:5100] + body[:10] + body[199_990:]
+    assert [r.errno != 0 for r in replies] == [False] * 5 + [True] + [False] + [True] * 4 + \
+        [False] * 4
+
+
+@pytest.mark.skipif(node_server.READS is None, reason="the C helper is not built")
+def test_c_path_leaves_reads_to_python_while_a_fragment_is_written(tmp_path):
+    """While a PUT is under way, a READ on another connection goes to the Python path,
+    which waits for a write of the same fragment: it never sees the file half-written."""
+    path = str(tmp_path / "d0")
+    FileStore.format(path, "vol", 0)
+    store = FileStore(path, "vol", 0)
+    name = fr.fragment_name(5, 0)
+    store.write(name, [b"a" * 8192])
+    server = NodeServer("n", SECRET, {0: store})
+    entered, release = _held_writes(store)
+    writer, wt = _serve_socketpair(server)
+    reader, rt = _serve_socketpair(server)
+    writer.sendall(_frame(pb.Request(id=1, op=pb.Request.PUT, device=0,
+                                     name=name).SerializeToString(), b"b" * 8192))
+    assert entered.wait(5)
+    reader.sendall(_frame(pb.Request(id=2, op=pb.Request.READ, device=0, name=name,
+                                     ranges=[pb.Range(offset=0, length=4096)])
+                          .SerializeToString()))
+    reader.settimeout(0.3)
+    with pytest.raises(socket.timeout):
+        reader.recv(1)  # waiting for the write
+    reader.settimeout(5)
+    release.set()
+    ((resp, payload),) = _replies(reader, 1)
+    assert list(resp.lengths) == [4096] and payload == b"b" * 4096
+    assert _replies(writer, 1)[0][0].errno == 0
+    # and once it is written, READs are the C path's again
+    reader.sendall(_frame(pb.Request(id=3, op=pb.Request.READ, device=0, name=name,
+                                     ranges=[pb.Range(offset=8000, length=500)])
+                          .SerializeToString()))
+    ((resp, payload),) = _replies(reader, 1)
+    assert payload == b"b" * 192 and node_server.READS.served(server._native) == 1
+    for s in (writer, reader):
+        s.close()
+    wt.join(5)
+    rt.join(5)

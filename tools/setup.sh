@@ -31,7 +31,7 @@ else
 fi
 # the C helpers (native/) are built by the install above; bmfs falls back to Python
 # without them, so a failed build is a warning, not an error
-.venv/bin/python -c "import bmfs.data._native" 2>/dev/null ||
+.venv/bin/python -c "import bmfs.data._native, bmfs.node._native" 2>/dev/null ||
   echo "setup: warning: the C helper (native/) did not build; bmfs runs on its slower Python path" >&2
 ln -sf "$ROOT/.venv/bin/bmfs" /usr/local/bin/bmfs
 ln -sf "$ROOT/mount/mount.fuse.bmfs" /sbin/mount.fuse.bmfs

@@ -126,6 +126,12 @@ class FileStore:
             f.flush()
             os.fsync(f.fileno())
 
+    @property
+    def fragment_dir(self) -> str:
+        """Where fragment N lies: this + N[14:16] + "/" + N (_file; the node's C path
+        for small READs builds the same)."""
+        return self._frags
+
     def _file(self, name: str) -> str:
         sid_hex = name.split(".", 1)[0]  # (os.path.join took ~1 us a read, ~5 cold)
         return f"{self._frags}{sid_hex[-2:]}/{name}"

@@ -790,7 +790,41 @@ def test_prune_keeps_an_open_unlinked_file(tmp_path):
         await fs.files.release(fh)
         with raises(errno.ENOENT):
             await fs.getattr(a.ino)
+        # and with it freed, no tree has the inode: its record goes too (it stayed for
+        # good, and every mount's start sweep tried it again)
+        assert await fs.kv.range(b"o/", b"o0") == []
+        await fs.volume_gc()
+        assert await fs.kv.range(b"t/", b"t0") == []  # (its stripe is freed)
     run(t, tmp_path)
+
+
+def test_orphan_record_kept_while_a_tree_has_the_inode(tmp_path):
+    """A file unlinked while open, then a branch made: the file released in main, the
+    branch still has the nameless inode, so its record stays (through a remount);
+    freed in the branch too (a mount of it), the record goes."""
+    async def t(fs):
+        fh, a = await fs.create_file(ROOT, b"f", 0o644, os.O_RDWR, 0, 0)
+        await fs.files.write(fh, 0, b"x" * 5000)
+        await fs.files.flush(fh)
+        await fs.unlink(ROOT, b"f")
+        await br.op_branch_create(fs.kv, "b")
+        await fs.views.refresh()
+        await fs.files.release(fh)
+        with raises(errno.ENOENT):
+            await fs.getattr(a.ino)
+        assert len(await fs.kv.range(b"o/", b"o0")) == 1
+        a_ino.append(a.ino)
+    a_ino = []
+    run(t, tmp_path)
+
+    async def branch_mount(fs):
+        assert len(await fs.kv.range(b"o/", b"o0")) == 1  # main's start sweep kept it
+        view = await fs.views.add("branch", "b")
+        await fs.files.reap_orphans(view)  # the branch's mount frees its copy
+        assert await fs.kv.range(b"o/", b"o0") == []
+        with raises(errno.ENOENT):
+            await fs.getattr(view.id << VIEW_SHIFT | a_ino[0])
+    run(branch_mount, tmp_path)
 
 
 def test_files_a_crashed_mount_held_unlinked_are_freed_together(tmp_path):

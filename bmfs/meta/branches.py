@@ -240,6 +240,22 @@ async def _heads(kv) -> set[int]:
     return heads
 
 
+async def trees_through(kv, lay: int) -> tuple[bytes | None, list[Chain]]:
+    """The layer counter, read first, and the chain of every branch and snapshot that
+    has layer ``lay`` in it. A tree made after the counter was read is not among them:
+    a caller that acts on the list checks the counter in its transaction."""
+    counter = await kv.get(keys.counter("layer"))
+    out = []
+    for head in await _heads(kv):
+        try:
+            chain = await _chain(kv, head, None)
+        except TypeError:  # (deleted and collected meanwhile: a layer record is gone)
+            continue
+        if lay in chain.layers:
+            out.append(chain)
+    return counter, out
+
+
 async def live_layers(kv) -> set[int]:
     live = set()
     for head in await _heads(kv):

@@ -31,7 +31,7 @@ from ..config import MAX_FILE_SIZE
 from ..data.codec import stripe_length
 from ..errors import FsError, IOFailure, IsDir, NotFound, TooBig
 from ..lru import LRU
-from ..meta import keys
+from ..meta import branches, keys
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
 from ..meta.records import Inode, Slice, SliceMap, compact
@@ -561,15 +561,31 @@ class Files:
                 return False
             done.append((ino, i, None))
             await ns.delete_inode(txn, chain, ino, i)
-        if at == chain.top:
+        if at == chain.top or not await self._seen_elsewhere(txn, chain, at, ino):
             txn.delete(keys.orphan(at, ino))
         else:
             # the record's layer is frozen: a snapshot or branch taken since shares
             # it, nameless inode and all. The record stays for those trees (fsck,
             # a mount of that branch frees its own copy) and goes with the layer
-            # (branches.collect_layers); this tree's copy is gone now.
+            # (branches.collect_layers), or once no tree has the inode; this tree's
+            # copy is gone now.
             done.append((ino, None, (chain.top, at, ino)))
         return True
+
+    async def _seen_elsewhere(self, txn, chain, lay: int, ino: int) -> bool:
+        """Whether a tree other than ``chain``'s, through frozen layer ``lay`` (an
+        orphan record's), still has inode ``ino``: a snapshot or branch taken while
+        the file was open unlinked. Once none has (they were deleted, or freed their
+        copy), the record is of no more use: kept, no pass would ever drop it (the
+        layer stays under this tree's; a pruned version took with it the only sign).
+        A tree made meanwhile (a new layer) makes the transaction's check fail."""
+        counter, trees = await branches.trees_through(self.kv, lay)
+        if await txn.get(keys.counter("layer")) != counter:
+            return True
+        for other in trees:
+            if other.top != chain.top and await ns.get_inode(txn, other, ino) is not None:
+                return True
+        return False
 
     def _freed(self, view, done: list) -> None:
         """What committed _free_steps freed: the inodes (FileSystem.freed) and the

@@ -55,6 +55,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "wire.h"
+
 enum { HOT = 0, PYTHON = 1, END = 2 };
 enum { OP_READ = 2, MAX_RANGES = 64, MAX_ROOTS = 16, PREFIX = 8 };
 #define MAX_HEADER (64u << 10)
@@ -126,21 +128,6 @@ typedef struct {
     uint64_t off[MAX_RANGES], len[MAX_RANGES];
     char name[NAME_MAX_LEN + 1];
 } read_req;
-
-/* A varint at *p (before end); 0 if malformed. */
-static int varint(const unsigned char **p, const unsigned char *end, uint64_t *out)
-{
-    uint64_t v = 0;
-    for (int shift = 0; shift < 64 && *p < end; shift += 7) {
-        unsigned char b = *(*p)++;
-        v |= (uint64_t)(b & 0x7f) << shift;
-        if (!(b & 0x80)) {
-            *out = v;
-            return 1;
-        }
-    }
-    return 0;
-}
 
 static int parse_range(const unsigned char *p, const unsigned char *end, read_req *r)
 {
@@ -219,26 +206,6 @@ static int parse_request(const unsigned char *p, const unsigned char *end, read_
             return 0;
     }
     return r->op == OP_READ && r->name[0] && r->device <= 0xFFFFFFFFu;
-}
-
-static unsigned char *put_varint(unsigned char *p, uint64_t v)
-{
-    while (v >= 0x80) {
-        *p++ = (unsigned char)(v | 0x80);
-        v >>= 7;
-    }
-    *p++ = (unsigned char)v;
-    return p;
-}
-
-static size_t varint_size(uint64_t v)
-{
-    size_t n = 1;
-    while (v >= 0x80) {
-        v >>= 7;
-        n++;
-    }
-    return n;
 }
 
 static int send_all(int fd, const unsigned char *p, size_t n)

@@ -10,6 +10,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 import pytest
 import trio
@@ -18,10 +19,12 @@ from bmfs.data.client import DataClient
 from bmfs.data import fragment as fr
 from bmfs.data.codec import LIB_HEADER
 from bmfs.node.protocol import BlockingConnection, Connection, PREFIX
+from bmfs.node import protocol
 from bmfs.node import server as node_server
 from bmfs.node.server import NodeServer
 from bmfs.store.file import FileStore
 from bmfs.transport import DeviceError
+from bmfs.transport import tcp
 from bmfs.transport.tcp import LATE_DOWN, TcpTransport
 from bmfs.wire import node_pb2 as pb
 
@@ -708,3 +711,176 @@ def test_c_path_leaves_reads_to_python_while_a_fragment_is_written(tmp_path):
         s.close()
     wt.join(5)
     rt.join(5)
+
+
+# -- a mount's lone small READ, sent and taken in C (native/client_reads.c) -------------
+needs_client = pytest.mark.skipif(protocol.CLIENT is None, reason="the C helper is not built")
+
+
+@needs_client
+def test_c_client_builds_the_request_python_builds():
+    """The READ frame the C path sends is the Python path's, byte for byte: ids and
+    devices of 0 (left out, as proto3 does) and of 64 bits, offsets and lengths of 0,
+    no ranges and 8; more than 8 ranges or a name over 64 bytes are refused."""
+    cases = [(1, 0, "00000000000001a3.2", [(8192, 4096)]), (0, 0, "x", [(0, 0)]),
+             (2 ** 64 - 1, 2 ** 32 - 1, "a" * 64, [(2 ** 63, 1), (0, 2 ** 40)]),
+             (5, 3, "", []), (7, 1, "f.1", [(i * 4096, 4096 + i) for i in range(8)])]
+    for rid, dev, name, ranges in cases:
+        req = tcp._read_request(name, ranges)
+        req.id, req.device = rid, dev
+        assert protocol.CLIENT.read_frame(rid, dev, name.encode(), ranges) == \
+            Connection._frame(req, ())
+    with pytest.raises(ValueError):
+        protocol.CLIENT.read_frame(1, 0, b"x", [(0, 1)] * 9)
+    with pytest.raises(ValueError):
+        protocol.CLIENT.read_frame(1, 0, b"x" * 65, [(0, 1)])
+
+
+@needs_client
+def test_c_client_takes_plain_replies_and_leaves_the_rest_to_python():
+    """Connection.read_spun against a peer that answers as told: a plain reply (also
+    one that comes in pieces) is taken in C, its parts right and the buffer left at
+    the next frame; an error reply, one with another id or an oversized prefix is left
+    for recv, which parses (or refuses) it as ever; a reply later than the spin is
+    left to recv's wait; a readable watched descriptor ends a long spin at once; a
+    peer that closed the connection is told."""
+    payload = os.urandom(5000)
+
+    def reply(rid, lengths=(4096, 904), **kw):
+        return _frame(pb.Response(id=rid, lengths=list(lengths), **kw).SerializeToString(),
+                      payload[:sum(lengths)])
+
+    async def main():
+        a, b = socket.socketpair()
+        conn = Connection(b, 64 << 10)
+        ranges = [(0, 4096), (10, 904)]
+
+        def asked():  # the request the peer got
+            conn_a = BlockingConnection(a, 4096)
+            req, _ = conn_a.recv(pb.Request)
+            assert conn_a.pending() == b""
+            return req
+
+        def answer_later(data, pieces=1, pause=0.0):
+            def go():
+                req = asked()
+                step = max(1, len(data) // pieces)
+                for i in range(0, len(data), step):
+                    time.sleep(pause)
+                    a.sendall(data[i:i + step])
+                got.append(req)
+            got = []
+            t = threading.Thread(target=go)
+            t.start()
+            return t, got
+
+        # a plain reply, whole and then in 50 pieces
+        for pieces, pause in ((1, 0.0), (50, 0.001)):
+            t, got = answer_later(reply(11), pieces, pause)
+            parts, status, unsent = conn.read_spun(11, 3, b"00000000000000ab.1", ranges, 5.0)
+            t.join()
+            assert status == protocol.CLIENT.REPLY and unsent is None
+            assert [bytes(p) for p in parts] == [payload[:4096], payload[4096:5000]]
+            assert got[0].id == 11 and got[0].device == 3 and \
+                [(r.offset, r.length) for r in got[0].ranges] == ranges
+            assert conn._start == conn._end
+        # an error reply, another id, an oversized prefix: recv's
+        for data, check in [
+                (_frame(pb.Response(id=12, errno=5, error="bad").SerializeToString()),
+                 lambda resp: resp.errno == 5 and resp.error == "bad"),
+                (reply(99), lambda resp: resp.id == 99)]:
+            t, _ = answer_later(data)
+            parts, status, _ = conn.read_spun(12, 0, b"n", ranges, 5.0)
+            t.join()
+            assert parts is None and status == protocol.CLIENT.FRAME
+            resp, _ = await conn.recv(pb.Response)
+            assert check(resp)
+            assert conn._start == conn._end
+        # later than the spin: recv waits for it
+        t, _ = answer_later(reply(13), 1, 0.2)
+        parts, status, _ = conn.read_spun(13, 0, b"n", ranges, 0.001)
+        assert parts is None and status == protocol.CLIENT.SPUN
+        with trio.fail_after(5):
+            resp, data = await conn.recv(pb.Response)
+        t.join()
+        assert resp.id == 13 and bytes(data) == payload
+        # the watched descriptor readable: a 10 s spin ends at once
+        r, w = os.pipe()
+        os.write(w, b"x")
+        t, _ = answer_later(reply(14), 1, 0.3)
+        t0 = time.monotonic()
+        parts, status, _ = conn.read_spun(14, 0, b"n", ranges, 10.0, r)
+        assert status == protocol.CLIENT.WANTED and time.monotonic() - t0 < 2
+        with trio.fail_after(5):
+            resp, _ = await conn.recv(pb.Response)
+        t.join()
+        assert resp.id == 14
+        os.close(r)
+        os.close(w)
+        # an oversized frame: recv refuses it (and the caller closes the connection)
+        t, _ = answer_later(PREFIX.pack(1 << 30, 0))
+        parts, status, _ = conn.read_spun(15, 0, b"n", ranges, 5.0)
+        t.join()
+        assert status == protocol.CLIENT.FRAME
+        with pytest.raises(protocol.ProtocolError):
+            await conn.recv(pb.Response)
+        conn.close()
+        # the peer closes
+        a, b = socket.socketpair()
+        conn = Connection(b, 4096)
+        t = threading.Thread(target=lambda: (asked(), a.shutdown(socket.SHUT_RDWR)))
+        t.start()
+        parts, status, _ = conn.read_spun(16, 0, b"n", ranges, 5.0)
+        t.join()
+        assert parts is None and status == protocol.CLIENT.CLOSED
+        a.close()
+        conn.close()
+    trio.run(main)
+
+
+@needs_client
+def test_reads_through_the_c_client_match_the_python_path(tmp_path, monkeypatch):
+    """Small reads of a stripe over real node servers give the same bytes with the C
+    client and without it (tcp.CLIENT None: the Python path), and the C client did
+    take the replies; a corrupt block is caught either way; a pooled connection the
+    node closed is replaced, the node not marked down."""
+    data = os.urandom(3 << 20)
+    spans = [(0, 4096), (4000, 200), (1 << 20, 4096), ((1 << 20) - 100, 300),
+             (len(data) - 4096, 4096), (12345, 60_000)]
+    taken = []
+    real = Connection.read_spun
+
+    def spy(self, *args, **kw):
+        out = real(self, *args, **kw)
+        taken.append(out[1])
+        return out
+    monkeypatch.setattr(Connection, "read_spun", spy)
+    monkeypatch.setattr(tcp, "SPIN", 2.0)  # (up to a hedge's deadline: a loaded machine)
+
+    async def body(nodes, client):
+        st = await client.write_stripe(21, data)
+        for native in (True, False, True):
+            monkeypatch.setattr(tcp, "CLIENT", protocol.CLIENT if native else None)
+            del taken[:]
+            for off, n in spans:
+                assert bytes(await client.read(21, st, off, n)) == data[off:off + n]
+            if native:
+                assert taken == [protocol.CLIENT.REPLY] * len(spans)
+            else:
+                assert taken == []
+        assert client.stats["degraded_reads"] == 0
+        # a pooled connection the node closed: a fresh one, no degraded read
+        dev = st.devices[0]
+        for conn in nodes.transport.device_node[dev].idle:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        assert bytes(await client.read(21, st, 8192, 4096)) == data[8192:12288]
+        assert nodes.transport.is_up(dev) and client.stats["degraded_reads"] == 0
+        # corruption is caught on the C client's replies too
+        path = nodes.stores[dev]._file(fr.fragment_name(21, 0))
+        geo = fr.geometry(st.frag_version, st.frag_len)
+        with open(path, "r+b") as f:
+            f.seek(geo.data_offset + 8192 + 500)
+            f.write(b"\xde\xad")
+        assert bytes(await client.read(21, st, 8192, 4096)) == data[8192:12288]
+        assert client.stats["corrupt_fragments"] == 1, (client.stats, nodes.damage)
+    run_with_nodes(tmp_path, body)

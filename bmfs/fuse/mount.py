@@ -128,9 +128,10 @@ def _set_handlers(handlers: dict) -> None:
 
 
 def _watch_requests(transport) -> None:
-    """Tell a transport that reads small requests inline (LocalTransport) which
-    descriptor is the FUSE device, so it can see requests queued behind the current
-    one. pyfuse3 does not expose it: it is the descriptor open on /dev/fuse."""
+    """Tell the transport which descriptor is the FUSE device, so it can see requests
+    queued behind the current one: LocalTransport reads small requests inline while
+    none wait, TcpTransport stops spinning for a node's reply in C when one comes.
+    pyfuse3 does not expose it: it is the descriptor open on /dev/fuse."""
     if not hasattr(transport, "watch_requests"):
         return
     for name in os.listdir("/proc/self/fd"):

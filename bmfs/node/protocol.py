@@ -22,7 +22,12 @@ import sys
 
 import trio
 
+from ..data.native import optional
 from ..wire import node_pb2 as pb
+
+# a lone small READ sent and its reply taken in C (native/client_reads.c), or None:
+# the Python path does it (Connection.send, recv and _spin_loop)
+CLIENT = optional("bmfs.node._client")
 
 VERSION = 1
 PREFIX = struct.Struct("<II")
@@ -256,6 +261,38 @@ class Connection(_Framing):
                 with contextlib.suppress(OSError):
                     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
         return msg, view
+
+    def read_spun(self, rid: int, device: int, name: bytes, ranges, spin: float,
+                  watch_fd: int = -1):
+        """A READ request (id ``rid``) sent and its reply received for up to ``spin``
+        seconds (no later than ``deadline``) in C (CLIENT.read), with neither the
+        GIL nor the event loop: ~10 us a try in _spin_loop (a scheduler round and an
+        exception) against well under 1 us, and no Python from the request's
+        building to the reply's taking. The event loop waits meanwhile, so the spin
+        ends early once ``watch_fd`` (the FUSE device) has a request.
+
+        Returns (parts, status, unsent): the reply's parts (views of one buffer of
+        their own) when it came, plain (no error), in time; else None, what CLIENT
+        says of the wait (FRAME: another frame is buffered for recv; SPUN, WANTED,
+        CLOSED) and the part of the request the socket did not take (or None): the
+        caller sends that and takes the reply with recv, as for a request sent by
+        send. Raises OSError if the send failed."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        spin = min(spin, self.deadline - trio.current_time())
+        status, self._end, p0, lengths, unsent = CLIENT.read(
+            self.sock.fileno(), self._buf, self._start, self._end, rid, device, name, ranges,
+            max(0, int(spin * 1e9)), watch_fd)
+        if status != CLIENT.REPLY:
+            return None, status, unsent
+        end = p0 + sum(lengths)
+        payload = memoryview(self._buf[p0:end])  # (a copy: the buffer is reused)
+        self._start = end
+        parts, pos = [], 0
+        for n in lengths:
+            parts.append(payload[pos:pos + n])
+            pos += n
+        return parts, status, None
 
     async def send(self, message, payload_parts=()) -> None:
         frame = self._frame(message, payload_parts)

@@ -20,7 +20,7 @@ import time
 import trio
 
 from ..config import microseconds_setting
-from ..node.protocol import Connection, ProtocolError, client_handshake
+from ..node.protocol import CLIENT, Connection, ProtocolError, client_handshake
 from ..wire import node_pb2 as pb
 from . import DeviceError, TooSlow
 
@@ -79,6 +79,7 @@ class TcpTransport:
         self.device_node = {dev: self.nodes[addr] for dev, addr in devices.items()}
         self._ids = itertools.count(1)
         self._inflight = 0  # requests under way
+        self.watch_fd = -1  # the FUSE device, if known (watch_requests)
         self.stores = {dev: addr for dev, addr in devices.items()}  # for status
 
     def add_device(self, dev: int, address: str) -> None:
@@ -106,6 +107,11 @@ class TcpTransport:
         node.idle.clear()
         if self.nodes.get(node.address) is node:
             del self.nodes[node.address]
+
+    def watch_requests(self, fd: int) -> None:
+        """``fd`` (the FUSE device) is readable when requests wait for the event loop:
+        a small read's reply spun for in C (Connection.read_spun) stops spinning then."""
+        self.watch_fd = fd
 
     def is_up(self, dev: int) -> bool:
         node = self.device_node.get(dev)
@@ -196,12 +202,7 @@ class TcpTransport:
         if resp.id != req.id:
             conn.close()
             raise DeviceError(dev, f"node {node.address}: reply out of order")
-        if len(node.idle) < self.pool:
-            node.idle.append(conn)
-        else:
-            conn.close()
-        node.down_until = 0.0
-        node.late = 0
+        self._answered(node, conn)
         if resp.errno:
             raise DeviceError(dev, f"node {node.address}: {resp.error or errno.errorcode.get(resp.errno)}")
         return resp, payload
@@ -247,12 +248,67 @@ class TcpTransport:
     async def read(self, dev: int, name: str, ranges, check=None,
                    deadline: float = math.inf) -> list[bytes]:
         t0 = time.monotonic()
-        resp, payload = await self.request(dev, _read_request(name, ranges),
-                                           quick=_small(ranges), deadline=deadline)
-        out = self._parts(dev, resp, payload, t0)
+        small = _small(ranges)
+        out = None
+        if small and CLIENT is not None and SPIN and not self._inflight:
+            out = await self._read_spun(dev, name, ranges, deadline, t0)
+        if out is None:
+            resp, payload = await self.request(dev, _read_request(name, ranges),
+                                               quick=small, deadline=deadline)
+            out = self._parts(dev, resp, payload, t0)
         if check is not None:
             check(out)
         return out
+
+    async def _read_spun(self, dev: int, name: str, ranges, deadline: float, t0: float):
+        """A lone small read, as request() would spin for it, on a pooled connection,
+        sent and its reply taken in C (Connection.read_spun): the reply's parts, or
+        None where request() is to do it (no idle connection, or one that failed:
+        the node closed it, say; the request is idempotent). A reply not in within
+        the spin is waited for as request() waits."""
+        node = self.device_node.get(dev)
+        if node is None or not node.idle or len(ranges) > 8:
+            return None
+        conn = node.idle.pop()
+        rid = next(self._ids)
+        own = trio.current_time() + self.timeout
+        conn.deadline = min(own, deadline)
+        try:
+            parts, status, unsent = conn.read_spun(rid, dev, name.encode(), ranges, SPIN,
+                                                   self.watch_fd)
+        except OSError:
+            conn.close()
+            return None
+        if status == CLIENT.CLOSED or unsent is not None:
+            # (a full send buffer on an idle connection: something is wrong with it)
+            conn.close()
+            return None
+        if parts is None:  # the rest as request() does it, on this connection
+            req = _read_request(name, ranges)
+            req.id, req.device = rid, dev
+            # (the rest of a spin cut short by a FUSE request is _spin_loop's: it lets
+            # other tasks run)
+            spin = SPIN - (time.monotonic() - t0) if status == CLIENT.WANTED else 0.0
+            self._inflight += 1
+            try:
+                resp, payload = await self._finish(node, dev, req, (), conn, True, own,
+                                                   deadline, spin)
+            finally:
+                self._inflight -= 1
+            return self._parts(dev, resp, payload, t0)
+        self._answered(node, conn)
+        self._took(node, sum(len(p) for p in parts), t0)
+        return parts
+
+    def _answered(self, node: _Node, conn) -> None:
+        """``node`` answered on ``conn``: the connection goes back to the pool (or is
+        closed if the pool is full), and the node counts as up and in time."""
+        if len(node.idle) < self.pool:
+            node.idle.append(conn)
+        else:
+            conn.close()
+        node.down_until = 0.0
+        node.late = 0
 
     async def read_many(self, reads, deadline: float = math.inf) -> list:
         """Several reads as read() does them, ``reads`` a list of (dev, name, ranges,
@@ -315,14 +371,21 @@ class TcpTransport:
         small one's round trip, since ``t0`` (time.monotonic) if given, goes into the
         node's smoothed latency (the transfer time of a large one would not say how
         slow the node is)."""
-        if t0 is not None and len(payload) <= SMALL_READ:
-            node = self.device_node[dev]
-            node.latency = 0.8 * node.latency + 0.2 * (time.monotonic() - t0)
+        if t0 is not None:
+            self._took(self.device_node[dev], len(payload), t0)
         out, pos = [], 0
         for n in resp.lengths:
             out.append(payload[pos:pos + n])
             pos += n
         return out
+
+    @staticmethod
+    def _took(node: _Node, n: int, t0: float) -> None:
+        """A read of ``n`` bytes from ``node`` sent at ``t0`` (time.monotonic) is in: a
+        small one's round trip goes into the node's smoothed latency (the transfer
+        time of a large one would not say how slow the node is)."""
+        if n <= SMALL_READ:
+            node.latency = 0.8 * node.latency + 0.2 * (time.monotonic() - t0)
 
     async def delete(self, dev: int, name: str) -> None:
         await self.request(dev, pb.Request(op=Req.DELETE, name=name))

@@ -1,0 +1,371 @@
+/* bmfs.node._client: a mount's lone small READ to a storage node, sent and its
+ * reply waited for and taken in C, without the GIL and without the event loop.
+ *
+ * Caveats first: this module is optional. bmfs/transport/tcp.py does the same in
+ * Python when it is missing (not built, or BMFS_NATIVE=0), and uses it only where
+ * the Python path would spin for the reply anyway (a small READ, nothing else under
+ * way: Connection._spin_loop). The request frame built here is the one the Python
+ * path builds, byte for byte (tests/test_t2_tcp.py compares them); of the replies
+ * it takes only the plain ones (the request's id, no error, one length per range,
+ * nothing else), and leaves any other frame in the buffer for bmfs/node/protocol.py
+ * to parse as always. While it spins, the event loop does not run: the spin is
+ * bounded (BMFS_SPIN_US, 500 us by default) and ends early when the watched
+ * descriptor (the FUSE device: another request came in) is readable.
+ *
+ * read(fd, buf, start, end, id, device, name, ranges, spin_ns, watch_fd)
+ *         -> (status, end, payload_start, lengths, unsent)
+ *     Sends a READ request (`id`, `device`, fragment `name` as bytes, `ranges` a
+ *     sequence of at most 8 (offset, length) pairs) on the non-blocking socket `fd`,
+ *     then receives into the bytearray `buf`, whose bytes [start, end) are received
+ *     and not yet consumed, until a whole frame (u32 header length, u32 payload
+ *     length, header, payload: the framing of bmfs/node/protocol.py) is there from
+ *     `start`, for at most `spin_ns` nanoseconds. Status REPLY: the frame is the
+ *     plain reply to this request, its payload at buf[payload_start:] with the ranges'
+ *     `lengths` (a tuple), and it ends at `end`. FRAME: another whole frame is there
+ *     (an error reply, say), or one whose prefix the Python parser refuses. SPUN: the
+ *     time is up, or the frame would not fit in `buf`. WANTED: `watch_fd` (if not -1)
+ *     became readable. CLOSED: the peer closed the connection or it failed (the
+ *     caller's own receive sees why). `unsent`: None, or the end of the request that
+ *     the socket did not take (its send buffer was full: nothing was received, the
+ *     caller sends the rest). A failed send raises OSError.
+ *
+ * read_frame(id, device, name, ranges) -> bytes
+ *     The request frame read() sends (for the tests).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "wire.h"
+
+enum { REPLY = 0, FRAME = 1, SPUN = 2, WANTED = 3, CLOSED = 4 };
+enum { PREFIX = 8, WATCH_EVERY = 8,  /* poll the watched descriptor every 8 tries */
+       OP_READ = 2, MAX_RANGES = 8, MAX_NAME = 64,
+       MAX_FRAME = PREFIX + 32 + MAX_NAME + MAX_RANGES * 24 };
+#define MAX_HEADER (64u << 10)
+#define MAX_PAYLOAD (64u << 20)
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static uint32_t le32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+           (uint32_t)p[3] << 24;
+}
+
+/* FRAME if [start, end) holds a whole frame (or a prefix the parser refuses), SPUN
+ * if the frame cannot fit in `cap` bytes from `start`, else -1 (more to receive). */
+static int frame_state(const unsigned char *buf, size_t start, size_t end, size_t cap)
+{
+    if (end - start < PREFIX)
+        return -1;
+    uint32_t hlen = le32(buf + start), plen = le32(buf + start + 4);
+    if (hlen > MAX_HEADER || plen > MAX_PAYLOAD)
+        return FRAME;
+    size_t need = PREFIX + (size_t)hlen + plen;
+    if (end - start >= need)
+        return FRAME;
+    return start + need > cap ? SPUN : -1;
+}
+
+static int send_some(int fd, const unsigned char *p, size_t n, size_t *sent)
+{
+    *sent = 0;
+    while (*sent < n) {
+        ssize_t k = send(fd, p + *sent, n - *sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+        }
+        *sent += (size_t)k;
+    }
+    return 0;
+}
+
+static int spin_recv(int fd, unsigned char *buf, size_t start, size_t *end, size_t cap,
+                     uint64_t spin_ns, int watch_fd)
+{
+    uint64_t until = now_ns() + spin_ns;
+    int state = frame_state(buf, start, *end, cap);
+    for (unsigned tries = 1; state < 0; tries++) {
+        if (*end == cap)
+            return SPUN;  /* (the caller's buffer is full: its parser makes room) */
+        ssize_t k = recv(fd, buf + *end, cap - *end, MSG_DONTWAIT);
+        if (k > 0) {
+            *end += (size_t)k;
+            state = frame_state(buf, start, *end, cap);
+            continue;
+        }
+        if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+            return CLOSED;
+        if (now_ns() >= until)
+            return SPUN;
+        if (watch_fd >= 0 && tries % WATCH_EVERY == 0) {
+            struct pollfd p = {.fd = watch_fd, .events = POLLIN};
+            if (poll(&p, 1, 0) > 0)
+                return WANTED;
+        }
+    }
+    return state;
+}
+
+typedef struct {
+    uint64_t id, device;
+    int nranges;
+    uint64_t off[MAX_RANGES], len[MAX_RANGES];
+    const char *name;
+    size_t name_len;
+} read_req;
+
+/* The frame of `r` into out (MAX_FRAME bytes): protobuf's encoding of a Request as
+ * the Python path serializes it (fields in order, proto3: zeros left out). */
+static size_t build_frame(const read_req *r, unsigned char *out)
+{
+    unsigned char *h = out + PREFIX;
+    if (r->id) {
+        *h++ = 0x08;
+        h = put_varint(h, r->id);
+    }
+    *h++ = 0x10;
+    *h++ = OP_READ;
+    if (r->device) {
+        *h++ = 0x18;
+        h = put_varint(h, r->device);
+    }
+    if (r->name_len) {
+        *h++ = 0x22;
+        h = put_varint(h, r->name_len);
+        memcpy(h, r->name, r->name_len);
+        h += r->name_len;
+    }
+    for (int i = 0; i < r->nranges; i++) {
+        size_t n = (r->off[i] ? 1 + varint_size(r->off[i]) : 0) +
+                   (r->len[i] ? 1 + varint_size(r->len[i]) : 0);
+        *h++ = 0x2a;
+        h = put_varint(h, n);
+        if (r->off[i]) {
+            *h++ = 0x08;
+            h = put_varint(h, r->off[i]);
+        }
+        if (r->len[i]) {
+            *h++ = 0x10;
+            h = put_varint(h, r->len[i]);
+        }
+    }
+    uint32_t hlen = (uint32_t)(h - out - PREFIX), plen = 0;
+    memcpy(out, &hlen, 4);  /* little-endian hosts (x86-64, aarch64) */
+    memcpy(out + 4, &plen, 4);
+    return (size_t)(h - out);
+}
+
+/* Whether [p, end) is a Response with id `id`, no error and exactly `n` lengths
+ * (packed or not), nothing else; the lengths into len. */
+static int plain_reply(const unsigned char *p, const unsigned char *end, uint64_t id,
+                       int n, uint64_t *len)
+{
+    uint64_t got_id = 0, v;
+    int count = 0;
+    while (p < end) {
+        uint64_t key;
+        if (!varint(&p, end, &key))
+            return 0;
+        if (key == 0x08) {  /* id */
+            if (!varint(&p, end, &got_id))
+                return 0;
+        } else if (key == 0x20) {  /* one length, unpacked */
+            if (count == n || !varint(&p, end, &len[count++]))
+                return 0;
+        } else if (key == 0x22) {  /* lengths, packed */
+            uint64_t size;
+            if (!varint(&p, end, &size) || size > (uint64_t)(end - p))
+                return 0;
+            const unsigned char *q = p, *qend = p + size;
+            while (q < qend)
+                if (count == n || !varint(&q, qend, &len[count++]))
+                    return 0;
+            p = qend;
+        } else if (key == 0x10) {  /* errno: only 0 is plain */
+            if (!varint(&p, end, &v) || v != 0)
+                return 0;
+        } else {
+            return 0;  /* an error text, names, info: the Python parser's */
+        }
+    }
+    return got_id == id && count == n;
+}
+
+/* `ranges` (a sequence of (offset, length)) into r; -1 with an exception set. */
+static int take_ranges(PyObject *ranges, read_req *r)
+{
+    PyObject *seq = PySequence_Fast(ranges, "read: ranges must be a sequence of pairs");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count > MAX_RANGES) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "read: more than 8 ranges");
+        return -1;
+    }
+    r->nranges = (int)count;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        unsigned long long off, len;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK", &off, &len)) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        r->off[i] = off;
+        r->len[i] = len;
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+static int take_name(const Py_buffer *name, read_req *r)
+{
+    if (name->len > MAX_NAME) {
+        PyErr_SetString(PyExc_ValueError, "read: fragment name too long");
+        return -1;
+    }
+    r->name = name->buf;
+    r->name_len = (size_t)name->len;
+    return 0;
+}
+
+static PyObject *read_frame(PyObject *self, PyObject *args)
+{
+    read_req r;
+    Py_buffer name;
+    PyObject *ranges, *out = NULL;
+    unsigned long long id, device;
+    unsigned char frame[MAX_FRAME];
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKy*O", &id, &device, &name, &ranges))
+        return NULL;
+    r.id = id;
+    r.device = device;
+    if (take_name(&name, &r) == 0 && take_ranges(ranges, &r) == 0)
+        out = PyBytes_FromStringAndSize((const char *)frame,
+                                        (Py_ssize_t)build_frame(&r, frame));
+    PyBuffer_Release(&name);
+    return out;
+}
+
+static PyObject *client_read(PyObject *self, PyObject *args)
+{
+    int fd, watch_fd;
+    Py_buffer buf, name;
+    PyObject *ranges;
+    Py_ssize_t start, end;
+    unsigned long long id, device, spin_ns;
+    read_req r;
+    unsigned char frame[MAX_FRAME];
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iw*nnKKy*OKi", &fd, &buf, &start, &end, &id, &device,
+                          &name, &ranges, &spin_ns, &watch_fd))
+        return NULL;
+    r.id = id;
+    r.device = device;
+    int bad = take_name(&name, &r) < 0 || take_ranges(ranges, &r) < 0;
+    if (!bad && (start < 0 || start > end || end > buf.len)) {
+        PyErr_SetString(PyExc_ValueError, "read: bad buffer bounds");
+        bad = 1;
+    }
+    if (bad) {
+        PyBuffer_Release(&buf);
+        PyBuffer_Release(&name);
+        return NULL;
+    }
+    size_t flen = build_frame(&r, frame), sent = 0, e = (size_t)end, poff = 0;
+    int status = SPUN, failed = 0, err = 0;
+    uint64_t len[MAX_RANGES];
+    unsigned char *b = buf.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (send_some(fd, frame, flen, &sent) < 0) {
+        failed = 1;
+        err = errno;
+    } else if (sent == flen) {
+        status = spin_recv(fd, b, (size_t)start, &e, (size_t)buf.len, spin_ns, watch_fd);
+        if (status == FRAME) {
+            uint32_t hlen = le32(b + start), plen = le32(b + start + 4);
+            const unsigned char *h = b + start + PREFIX;
+            uint64_t total = 0;
+            if (hlen <= MAX_HEADER && plen <= MAX_PAYLOAD &&
+                plain_reply(h, h + hlen, r.id, r.nranges, len)) {
+                for (int i = 0; i < r.nranges; i++)
+                    total += len[i];
+                if (total == plen) {
+                    status = REPLY;
+                    poff = (size_t)start + PREFIX + hlen;
+                }
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&name);
+    if (failed) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyObject *lengths = Py_None, *unsent = Py_None;
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    if (status == REPLY) {
+        Py_DECREF(lengths);
+        lengths = PyTuple_New(r.nranges);
+        for (int i = 0; lengths != NULL && i < r.nranges; i++)
+            PyTuple_SET_ITEM(lengths, i, PyLong_FromUnsignedLongLong(len[i]));
+    }
+    if (sent < flen) {
+        Py_DECREF(unsent);
+        unsent = PyBytes_FromStringAndSize((const char *)frame + sent,
+                                           (Py_ssize_t)(flen - sent));
+    }
+    if (lengths == NULL || unsent == NULL) {
+        Py_XDECREF(lengths);
+        Py_XDECREF(unsent);
+        return NULL;
+    }
+    return Py_BuildValue("inlNN", status, (Py_ssize_t)e, (long)poff, lengths, unsent);
+}
+
+static PyMethodDef methods[] = {
+    {"read", client_read, METH_VARARGS,
+     "read(fd, buf, start, end, id, device, name, ranges, spin_ns, watch_fd)"
+     " -> (status, end, payload_start, lengths, unsent)"},
+    {"read_frame", read_frame, METH_VARARGS,
+     "read_frame(id, device, name, ranges) -> the request frame read() sends"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "bmfs.node._client",
+    "A lone small READ to a storage node, sent and its reply taken in C.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__client(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "REPLY", REPLY) < 0 ||
+        PyModule_AddIntConstant(m, "FRAME", FRAME) < 0 ||
+        PyModule_AddIntConstant(m, "SPUN", SPUN) < 0 ||
+        PyModule_AddIntConstant(m, "WANTED", WANTED) < 0 ||
+        PyModule_AddIntConstant(m, "CLOSED", CLOSED) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,9 +1,10 @@
-/* bmfs.node._client: a mount's lone small READ to a storage node, sent and its
- * reply waited for and taken in C, without the GIL and without the event loop.
+/* bmfs.node._client: a mount's small READs to storage nodes (a lone one, or the k of
+ * a degraded read), sent and their replies waited for and taken in C, without the
+ * GIL and without the event loop.
  *
  * Caveats first: this module is optional. bmfs/transport/tcp.py does the same in
  * Python when it is missing (not built, or BMFS_NATIVE=0), and uses it only where
- * the Python path would spin for the reply anyway (a small READ, nothing else under
+ * the Python path would spin for the reply anyway (small READs, nothing else under
  * way: Connection._spin_loop). The request frame built here is the one the Python
  * path builds, byte for byte (tests/test_t2_tcp.py compares them); of the replies
  * it takes only the plain ones (the request's id, no error, one length per range,
@@ -12,25 +13,31 @@
  * bounded (BMFS_SPIN_US, 500 us by default) and ends early when the watched
  * descriptor (the FUSE device: another request came in) is readable.
  *
- * read(fd, buf, start, end, id, device, name, ranges, spin_ns, watch_fd)
- *         -> (status, end, payload_start, lengths, unsent)
- *     Sends a READ request (`id`, `device`, fragment `name` as bytes, `ranges` a
- *     sequence of at most 8 (offset, length) pairs) on the non-blocking socket `fd`,
- *     then receives into the bytearray `buf`, whose bytes [start, end) are received
- *     and not yet consumed, until a whole frame (u32 header length, u32 payload
- *     length, header, payload: the framing of bmfs/node/protocol.py) is there from
- *     `start`, for at most `spin_ns` nanoseconds. Status REPLY: the frame is the
- *     plain reply to this request, its payload at buf[payload_start:] with the ranges'
- *     `lengths` (a tuple), and it ends at `end`. FRAME: another whole frame is there
- *     (an error reply, say), or one whose prefix the Python parser refuses. SPUN: the
- *     time is up, or the frame would not fit in `buf`. WANTED: `watch_fd` (if not -1)
- *     became readable. CLOSED: the peer closed the connection or it failed (the
- *     caller's own receive sees why). `unsent`: None, or the end of the request that
- *     the socket did not take (its send buffer was full: nothing was received, the
- *     caller sends the rest). A failed send raises OSError.
+ * read_all(requests, spin_ns, watch_fd) -> [(status, end, payload_start, lengths,
+ *                                             unsent, seconds), ...]
+ *     Each of `requests` (at most 16) is (fd, buf, start, end, id, device, name,
+ *     ranges): a READ request (`id`, `device`, fragment `name` as bytes, `ranges` a
+ *     sequence of at most 8 (offset, length) pairs) to send on the non-blocking
+ *     socket `fd`, and the bytearray `buf` its reply is received into, whose bytes
+ *     [start, end) are received and not yet consumed. Every request is sent first;
+ *     then the sockets are received from, without sleeping, until each has a whole
+ *     frame (u32 header length, u32 payload length, header, payload: the framing of
+ *     bmfs/node/protocol.py) from its `start`, for at most `spin_ns` nanoseconds in
+ *     all. For each: its status, the new end of its received bytes, and:
+ *       REPLY   the frame is the plain reply to the request: its payload at
+ *               buf[payload_start:], the ranges' `lengths` (a tuple); `seconds` from
+ *               the first send to its arrival;
+ *       FRAME   another whole frame is there (an error reply, another id), or one
+ *               whose prefix the Python parser refuses;
+ *       SPUN    the time is up, or the frame would not fit in `buf`;
+ *       WANTED  `watch_fd` (if not -1) became readable;
+ *       CLOSED  the send failed, or the peer closed the connection or it failed
+ *               (the caller drops the connection);
+ *     `unsent`: None, or the end of the request that the socket did not take (its
+ *     send buffer was full; the status is SPUN): the caller sends it, then waits.
  *
  * read_frame(id, device, name, ranges) -> bytes
- *     The request frame read() sends (for the tests).
+ *     The request frame read_all() sends (for the tests).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,7 +52,7 @@
 
 enum { REPLY = 0, FRAME = 1, SPUN = 2, WANTED = 3, CLOSED = 4 };
 enum { PREFIX = 8, WATCH_EVERY = 8,  /* poll the watched descriptor every 8 tries */
-       OP_READ = 2, MAX_RANGES = 8, MAX_NAME = 64,
+       OP_READ = 2, MAX_RANGES = 8, MAX_NAME = 64, MAX_REQUESTS = 16,
        MAX_FRAME = PREFIX + 32 + MAX_NAME + MAX_RANGES * 24 };
 #define MAX_HEADER (64u << 10)
 #define MAX_PAYLOAD (64u << 20)
@@ -91,33 +98,6 @@ static int send_some(int fd, const unsigned char *p, size_t n, size_t *sent)
         *sent += (size_t)k;
     }
     return 0;
-}
-
-static int spin_recv(int fd, unsigned char *buf, size_t start, size_t *end, size_t cap,
-                     uint64_t spin_ns, int watch_fd)
-{
-    uint64_t until = now_ns() + spin_ns;
-    int state = frame_state(buf, start, *end, cap);
-    for (unsigned tries = 1; state < 0; tries++) {
-        if (*end == cap)
-            return SPUN;  /* (the caller's buffer is full: its parser makes room) */
-        ssize_t k = recv(fd, buf + *end, cap - *end, MSG_DONTWAIT);
-        if (k > 0) {
-            *end += (size_t)k;
-            state = frame_state(buf, start, *end, cap);
-            continue;
-        }
-        if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
-            return CLOSED;
-        if (now_ns() >= until)
-            return SPUN;
-        if (watch_fd >= 0 && tries % WATCH_EVERY == 0) {
-            struct pollfd p = {.fd = watch_fd, .events = POLLIN};
-            if (poll(&p, 1, 0) > 0)
-                return WANTED;
-        }
-    }
-    return state;
 }
 
 typedef struct {
@@ -261,91 +241,198 @@ static PyObject *read_frame(PyObject *self, PyObject *args)
     return out;
 }
 
-static PyObject *client_read(PyObject *self, PyObject *args)
-{
-    int fd, watch_fd;
+/* One request of read_all: its socket, buffer and request in, what came of it out. */
+typedef struct {
+    int fd, status, pending;
     Py_buffer buf, name;
-    PyObject *ranges;
-    Py_ssize_t start, end;
-    unsigned long long id, device, spin_ns;
+    size_t start, end, poff, flen, sent;
+    uint64_t len[MAX_RANGES], done_ns;
     read_req r;
     unsigned char frame[MAX_FRAME];
-    (void)self;
-    if (!PyArg_ParseTuple(args, "iw*nnKKy*OKi", &fd, &buf, &start, &end, &id, &device,
-                          &name, &ranges, &spin_ns, &watch_fd))
-        return NULL;
-    r.id = id;
-    r.device = device;
-    int bad = take_name(&name, &r) < 0 || take_ranges(ranges, &r) < 0;
-    if (!bad && (start < 0 || start > end || end > buf.len)) {
-        PyErr_SetString(PyExc_ValueError, "read: bad buffer bounds");
+} slot_t;
+
+/* A slot's receive: -1 while its frame is still coming, else its status. */
+static int slot_recv(slot_t *s)
+{
+    unsigned char *b = s->buf.buf;
+    size_t cap = (size_t)s->buf.len;
+    if (s->end == cap)
+        return SPUN;  /* (the caller's buffer is full: its parser makes room) */
+    ssize_t k = recv(s->fd, b + s->end, cap - s->end, MSG_DONTWAIT);
+    if (k > 0) {
+        s->end += (size_t)k;
+        return frame_state(b, s->start, s->end, cap);
+    }
+    if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+        return CLOSED;
+    return -1;
+}
+
+/* Send every slot's request, then receive their replies for up to spin_ns (see the
+ * top of the file); a whole frame that is a plain reply becomes REPLY. */
+static void exchange(slot_t *slots, int n, uint64_t spin_ns, int watch_fd)
+{
+    uint64_t t0 = now_ns(), until = t0 + spin_ns;
+    int pending = 0;
+    for (int i = 0; i < n; i++) {
+        slot_t *s = &slots[i];
+        s->flen = build_frame(&s->r, s->frame);
+        s->pending = 0;
+        if (send_some(s->fd, s->frame, s->flen, &s->sent) < 0)
+            s->status = CLOSED;
+        else if (s->sent < s->flen)
+            s->status = SPUN;  /* the caller sends the rest, then waits */
+        else if ((s->status = frame_state(s->buf.buf, s->start, s->end,
+                                          (size_t)s->buf.len)) < 0)
+            s->pending = 1, pending++;
+    }
+    for (unsigned tries = 1; pending; tries++) {
+        for (int i = 0; i < n; i++) {
+            slot_t *s = &slots[i];
+            if (s->pending && (s->status = slot_recv(s)) >= 0) {
+                s->pending = 0;
+                s->done_ns = now_ns() - t0;
+                pending--;
+            }
+        }
+        int stop = -1;
+        if (pending && now_ns() >= until)
+            stop = SPUN;
+        else if (pending && watch_fd >= 0 && tries % WATCH_EVERY == 0) {
+            struct pollfd p = {.fd = watch_fd, .events = POLLIN};
+            if (poll(&p, 1, 0) > 0)
+                stop = WANTED;
+        }
+        for (int i = 0; stop >= 0 && i < n; i++)
+            if (slots[i].pending)
+                slots[i].status = stop, slots[i].pending = 0, pending--;
+    }
+    for (int i = 0; i < n; i++) {
+        slot_t *s = &slots[i];
+        if (s->status != FRAME)
+            continue;
+        unsigned char *b = s->buf.buf;
+        uint32_t hlen = le32(b + s->start), plen = le32(b + s->start + 4);
+        const unsigned char *h = b + s->start + PREFIX;
+        uint64_t total = 0;
+        if (hlen > MAX_HEADER || plen > MAX_PAYLOAD ||
+            !plain_reply(h, h + hlen, s->r.id, s->r.nranges, s->len))
+            continue;
+        for (int j = 0; j < s->r.nranges; j++)
+            total += s->len[j];
+        if (total == plen) {
+            s->status = REPLY;
+            s->poff = s->start + PREFIX + hlen;
+        }
+    }
+}
+
+/* A slot from (fd, buf, start, end, id, device, name, ranges); -1 with an exception
+ * set (its buffers released). */
+static int take_slot(PyObject *item, slot_t *s)
+{
+    PyObject *ranges;
+    Py_ssize_t start, end;
+    unsigned long long id, device;
+    if (!PyTuple_Check(item) ||
+        !PyArg_ParseTuple(item, "iw*nnKKy*O", &s->fd, &s->buf, &start, &end, &id, &device,
+                          &s->name, &ranges)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "read_all: requests must be tuples");
+        return -1;
+    }
+    s->r.id = id;
+    s->r.device = device;
+    int bad = take_name(&s->name, &s->r) < 0 || take_ranges(ranges, &s->r) < 0;
+    if (!bad && (start < 0 || start > end || end > s->buf.len)) {
+        PyErr_SetString(PyExc_ValueError, "read_all: bad buffer bounds");
         bad = 1;
     }
     if (bad) {
-        PyBuffer_Release(&buf);
-        PyBuffer_Release(&name);
-        return NULL;
+        PyBuffer_Release(&s->buf);
+        PyBuffer_Release(&s->name);
+        return -1;
     }
-    size_t flen = build_frame(&r, frame), sent = 0, e = (size_t)end, poff = 0;
-    int status = SPUN, failed = 0, err = 0;
-    uint64_t len[MAX_RANGES];
-    unsigned char *b = buf.buf;
-    Py_BEGIN_ALLOW_THREADS
-    if (send_some(fd, frame, flen, &sent) < 0) {
-        failed = 1;
-        err = errno;
-    } else if (sent == flen) {
-        status = spin_recv(fd, b, (size_t)start, &e, (size_t)buf.len, spin_ns, watch_fd);
-        if (status == FRAME) {
-            uint32_t hlen = le32(b + start), plen = le32(b + start + 4);
-            const unsigned char *h = b + start + PREFIX;
-            uint64_t total = 0;
-            if (hlen <= MAX_HEADER && plen <= MAX_PAYLOAD &&
-                plain_reply(h, h + hlen, r.id, r.nranges, len)) {
-                for (int i = 0; i < r.nranges; i++)
-                    total += len[i];
-                if (total == plen) {
-                    status = REPLY;
-                    poff = (size_t)start + PREFIX + hlen;
-                }
-            }
-        }
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&buf);
-    PyBuffer_Release(&name);
-    if (failed) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
+    s->start = (size_t)start;
+    s->end = (size_t)end;
+    return 0;
+}
+
+static PyObject *slot_result(const slot_t *s)
+{
     PyObject *lengths = Py_None, *unsent = Py_None;
-    Py_INCREF(Py_None);
-    Py_INCREF(Py_None);
-    if (status == REPLY) {
-        Py_DECREF(lengths);
-        lengths = PyTuple_New(r.nranges);
-        for (int i = 0; lengths != NULL && i < r.nranges; i++)
-            PyTuple_SET_ITEM(lengths, i, PyLong_FromUnsignedLongLong(len[i]));
+    if (s->status == REPLY) {
+        lengths = PyTuple_New(s->r.nranges);
+        for (int i = 0; lengths != NULL && i < s->r.nranges; i++)
+            PyTuple_SET_ITEM(lengths, i, PyLong_FromUnsignedLongLong(s->len[i]));
+    } else {
+        Py_INCREF(lengths);
     }
-    if (sent < flen) {
-        Py_DECREF(unsent);
-        unsent = PyBytes_FromStringAndSize((const char *)frame + sent,
-                                           (Py_ssize_t)(flen - sent));
+    if (s->status != CLOSED && s->sent < s->flen) {
+        unsent = PyBytes_FromStringAndSize((const char *)s->frame + s->sent,
+                                           (Py_ssize_t)(s->flen - s->sent));
+    } else {
+        Py_INCREF(unsent);
     }
     if (lengths == NULL || unsent == NULL) {
         Py_XDECREF(lengths);
         Py_XDECREF(unsent);
         return NULL;
     }
-    return Py_BuildValue("inlNN", status, (Py_ssize_t)e, (long)poff, lengths, unsent);
+    return Py_BuildValue("innNNd", s->status, (Py_ssize_t)s->end, (Py_ssize_t)s->poff,
+                         lengths, unsent, s->done_ns / 1e9);
+}
+
+static PyObject *read_all(PyObject *self, PyObject *args)
+{
+    PyObject *requests, *out = NULL;
+    unsigned long long spin_ns;
+    int watch_fd, n = 0;
+    slot_t slots[MAX_REQUESTS];
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OKi", &requests, &spin_ns, &watch_fd))
+        return NULL;
+    PyObject *seq = PySequence_Fast(requests, "read_all: requests must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count > MAX_REQUESTS) {
+        PyErr_SetString(PyExc_ValueError, "read_all: more than 16 requests");
+        goto done;
+    }
+    for (; n < count; n++) {
+        memset(&slots[n].r, 0, sizeof(slots[n].r));
+        slots[n].done_ns = 0;
+        slots[n].poff = 0;
+        if (take_slot(PySequence_Fast_GET_ITEM(seq, n), &slots[n]) < 0)
+            goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    exchange(slots, n, spin_ns, watch_fd);
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    for (int i = 0; out != NULL && i < n; i++) {
+        PyObject *r = slot_result(&slots[i]);
+        if (r == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, r);
+    }
+done:
+    for (int i = 0; i < n; i++) {
+        PyBuffer_Release(&slots[i].buf);
+        PyBuffer_Release(&slots[i].name);
+    }
+    Py_DECREF(seq);
+    return out;
 }
 
 static PyMethodDef methods[] = {
-    {"read", client_read, METH_VARARGS,
-     "read(fd, buf, start, end, id, device, name, ranges, spin_ns, watch_fd)"
-     " -> (status, end, payload_start, lengths, unsent)"},
+    {"read_all", read_all, METH_VARARGS,
+     "read_all([(fd, buf, start, end, id, device, name, ranges), ...], spin_ns, watch_fd)"
+     " -> [(status, end, payload_start, lengths, unsent, seconds), ...]"},
     {"read_frame", read_frame, METH_VARARGS,
-     "read_frame(id, device, name, ranges) -> the request frame read() sends"},
+     "read_frame(id, device, name, ranges) -> the request frame read_all() sends"},
     {NULL, NULL, 0, NULL},
 };
 

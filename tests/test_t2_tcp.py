@@ -58,17 +58,13 @@ class Nodes:
 
     def spy_reads(self) -> list:
         """From now on, record (fragment name, ranges) of every READ the client sends
-        (by read and by read_many)."""
-        self.reads, real, real_many = [], self.transport.read, self.transport.read_many
-
-        async def spy(dev, name, ranges, check=None, deadline=math.inf):
-            self.reads.append((name, ranges))
-            return await real(dev, name, ranges, check, deadline)
+        (by read_many, which read goes through too)."""
+        self.reads, real_many = [], self.transport.read_many
 
         async def spy_many(reads, deadline=math.inf):
             self.reads.extend((name, ranges) for _, name, ranges, _ in reads)
             return await real_many(reads, deadline)
-        self.transport.read, self.transport.read_many = spy, spy_many
+        self.transport.read_many = spy_many
         return self.reads
 
     async def client(self):
@@ -736,9 +732,16 @@ def test_c_client_builds_the_request_python_builds():
         protocol.CLIENT.read_frame(1, 0, b"x" * 65, [(0, 1)])
 
 
+def _spun(conn, rid, dev, name, ranges, spin, watch_fd=-1):
+    """One request through protocol.read_spun: (parts, status, unsent)."""
+    ((parts, status, unsent, _),) = protocol.read_spun([(conn, rid, dev, name, ranges)],
+                                                       spin, watch_fd)
+    return parts, status, unsent
+
+
 @needs_client
 def test_c_client_takes_plain_replies_and_leaves_the_rest_to_python():
-    """Connection.read_spun against a peer that answers as told: a plain reply (also
+    """protocol.read_spun against a peer that answers as told: a plain reply (also
     one that comes in pieces) is taken in C, its parts right and the buffer left at
     the next frame; an error reply, one with another id or an oversized prefix is left
     for recv, which parses (or refuses) it as ever; a reply later than the spin is
@@ -777,7 +780,7 @@ def test_c_client_takes_plain_replies_and_leaves_the_rest_to_python():
         # a plain reply, whole and then in 50 pieces
         for pieces, pause in ((1, 0.0), (50, 0.001)):
             t, got = answer_later(reply(11), pieces, pause)
-            parts, status, unsent = conn.read_spun(11, 3, b"00000000000000ab.1", ranges, 5.0)
+            parts, status, unsent = _spun(conn, 11, 3, b"00000000000000ab.1", ranges, 5.0)
             t.join()
             assert status == protocol.CLIENT.REPLY and unsent is None
             assert [bytes(p) for p in parts] == [payload[:4096], payload[4096:5000]]
@@ -790,7 +793,7 @@ def test_c_client_takes_plain_replies_and_leaves_the_rest_to_python():
                  lambda resp: resp.errno == 5 and resp.error == "bad"),
                 (reply(99), lambda resp: resp.id == 99)]:
             t, _ = answer_later(data)
-            parts, status, _ = conn.read_spun(12, 0, b"n", ranges, 5.0)
+            parts, status, _ = _spun(conn, 12, 0, b"n", ranges, 5.0)
             t.join()
             assert parts is None and status == protocol.CLIENT.FRAME
             resp, _ = await conn.recv(pb.Response)
@@ -798,7 +801,7 @@ def test_c_client_takes_plain_replies_and_leaves_the_rest_to_python():
             assert conn._start == conn._end
         # later than the spin: recv waits for it
         t, _ = answer_later(reply(13), 1, 0.2)
-        parts, status, _ = conn.read_spun(13, 0, b"n", ranges, 0.001)
+        parts, status, _ = _spun(conn, 13, 0, b"n", ranges, 0.001)
         assert parts is None and status == protocol.CLIENT.SPUN
         with trio.fail_after(5):
             resp, data = await conn.recv(pb.Response)
@@ -809,7 +812,7 @@ def test_c_client_takes_plain_replies_and_leaves_the_rest_to_python():
         os.write(w, b"x")
         t, _ = answer_later(reply(14), 1, 0.3)
         t0 = time.monotonic()
-        parts, status, _ = conn.read_spun(14, 0, b"n", ranges, 10.0, r)
+        parts, status, _ = _spun(conn, 14, 0, b"n", ranges, 10.0, r)
         assert status == protocol.CLIENT.WANTED and time.monotonic() - t0 < 2
         with trio.fail_after(5):
             resp, _ = await conn.recv(pb.Response)
@@ -819,7 +822,7 @@ def test_c_client_takes_plain_replies_and_leaves_the_rest_to_python():
         os.close(w)
         # an oversized frame: recv refuses it (and the caller closes the connection)
         t, _ = answer_later(PREFIX.pack(1 << 30, 0))
-        parts, status, _ = conn.read_spun(15, 0, b"n", ranges, 5.0)
+        parts, status, _ = _spun(conn, 15, 0, b"n", ranges, 5.0)
         t.join()
         assert status == protocol.CLIENT.FRAME
         with pytest.raises(protocol.ProtocolError):
@@ -830,7 +833,7 @@ def test_c_client_takes_plain_replies_and_leaves_the_rest_to_python():
         conn = Connection(b, 4096)
         t = threading.Thread(target=lambda: (asked(), a.shutdown(socket.SHUT_RDWR)))
         t.start()
-        parts, status, _ = conn.read_spun(16, 0, b"n", ranges, 5.0)
+        parts, status, _ = _spun(conn, 16, 0, b"n", ranges, 5.0)
         t.join()
         assert parts is None and status == protocol.CLIENT.CLOSED
         a.close()
@@ -848,13 +851,13 @@ def test_reads_through_the_c_client_match_the_python_path(tmp_path, monkeypatch)
     spans = [(0, 4096), (4000, 200), (1 << 20, 4096), ((1 << 20) - 100, 300),
              (len(data) - 4096, 4096), (12345, 60_000)]
     taken = []
-    real = Connection.read_spun
+    real = tcp.read_spun
 
-    def spy(self, *args, **kw):
-        out = real(self, *args, **kw)
-        taken.append(out[1])
+    def spy(requests, *args, **kw):
+        out = real(requests, *args, **kw)
+        taken.append([status for _, status, _, _ in out])
         return out
-    monkeypatch.setattr(Connection, "read_spun", spy)
+    monkeypatch.setattr(tcp, "read_spun", spy)
     monkeypatch.setattr(tcp, "SPIN", 2.0)  # (up to a hedge's deadline: a loaded machine)
 
     async def body(nodes, client):
@@ -865,7 +868,7 @@ def test_reads_through_the_c_client_match_the_python_path(tmp_path, monkeypatch)
             for off, n in spans:
                 assert bytes(await client.read(21, st, off, n)) == data[off:off + n]
             if native:
-                assert taken == [protocol.CLIENT.REPLY] * len(spans)
+                assert taken == [[protocol.CLIENT.REPLY]] * len(spans)
             else:
                 assert taken == []
         assert client.stats["degraded_reads"] == 0
@@ -884,3 +887,67 @@ def test_reads_through_the_c_client_match_the_python_path(tmp_path, monkeypatch)
         assert bytes(await client.read(21, st, 8192, 4096)) == data[8192:12288]
         assert client.stats["corrupt_fragments"] == 1, (client.stats, nodes.damage)
     run_with_nodes(tmp_path, body)
+
+
+@needs_client
+def test_c_client_takes_several_replies_at_once(tmp_path, monkeypatch):
+    """A degraded small read's k requests go out together and their replies are taken
+    in C (protocol.read_spun with k requests): with two nodes stopped, small reads of
+    their fragments are rebuilt from k others right, each such read one batch of k
+    plain replies; of two peers, the one that answers late is left to recv."""
+    data = os.urandom(4 << 20)
+    batches = []
+    real = tcp.read_spun
+
+    def spy(requests, *args, **kw):
+        out = real(requests, *args, **kw)
+        batches.append([status for _, status, _, _ in out])
+        return out
+    monkeypatch.setattr(tcp, "read_spun", spy)
+    monkeypatch.setattr(tcp, "SPIN", 2.0)
+
+    async def body(nodes, client):
+        st = await client.write_stripe(31, data)
+        for off in range(0, 1 << 20, 256 << 10):  # the tables, while all are up
+            await client.read(31, st, off, 4096)
+        for i in (0, 1):  # the nodes of data fragments 0 and 1 stop answering
+            dev = st.devices[i]
+            nodes.stop(dev)
+            for conn in nodes.transport.device_node[dev].idle:
+                conn.close()
+            nodes.transport.device_node[dev].idle.clear()
+            nodes.transport.device_node[dev].down_until = math.inf
+        del batches[:]
+        for off in (8192, (1 << 20) + 4096 * 7):
+            assert bytes(await client.read(31, st, off, 4096)) == data[off:off + 4096]
+        assert batches == [[protocol.CLIENT.REPLY] * 4] * 2
+        assert client.stats["ranges_rebuilt"] == 2
+    run_with_nodes(tmp_path, body)
+
+    # two peers, one quick and one late
+    async def main():
+        pairs = [socket.socketpair() for _ in range(2)]
+        conns = [Connection(b, 64 << 10) for _, b in pairs]
+        frame = _frame(pb.Response(id=2, lengths=[3]).SerializeToString(), b"abc")
+
+        def answer(sock, rid, pause):
+            BlockingConnection(sock, 4096).recv(pb.Request)
+            time.sleep(pause)
+            sock.sendall(_frame(pb.Response(id=rid, lengths=[3]).SerializeToString(), b"abc"))
+        threads = [threading.Thread(target=answer, args=(pairs[0][0], 1, 0.0)),
+                   threading.Thread(target=answer, args=(pairs[1][0], 2, 0.3))]
+        for t in threads:
+            t.start()
+        got = protocol.read_spun([(conns[0], 1, 0, b"a", [(0, 3)]),
+                                  (conns[1], 2, 0, b"b", [(0, 3)])], 0.05)
+        assert [g[1] for g in got] == [protocol.CLIENT.REPLY, protocol.CLIENT.SPUN]
+        assert bytes(got[0][0][0]) == b"abc" and got[0][3] < 0.05
+        with trio.fail_after(5):
+            resp, payload = await conns[1].recv(pb.Response)
+        assert resp.id == 2 and bytes(payload) == b"abc" and frame
+        for t in threads:
+            t.join()
+        for (a, _), c in zip(pairs, conns):
+            a.close()
+            c.close()
+    trio.run(main)

@@ -262,38 +262,6 @@ class Connection(_Framing):
                     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
         return msg, view
 
-    def read_spun(self, rid: int, device: int, name: bytes, ranges, spin: float,
-                  watch_fd: int = -1):
-        """A READ request (id ``rid``) sent and its reply received for up to ``spin``
-        seconds (no later than ``deadline``) in C (CLIENT.read), with neither the
-        GIL nor the event loop: ~10 us a try in _spin_loop (a scheduler round and an
-        exception) against well under 1 us, and no Python from the request's
-        building to the reply's taking. The event loop waits meanwhile, so the spin
-        ends early once ``watch_fd`` (the FUSE device) has a request.
-
-        Returns (parts, status, unsent): the reply's parts (views of one buffer of
-        their own) when it came, plain (no error), in time; else None, what CLIENT
-        says of the wait (FRAME: another frame is buffered for recv; SPUN, WANTED,
-        CLOSED) and the part of the request the socket did not take (or None): the
-        caller sends that and takes the reply with recv, as for a request sent by
-        send. Raises OSError if the send failed."""
-        if self._start == self._end:
-            self._start = self._end = 0
-        spin = min(spin, self.deadline - trio.current_time())
-        status, self._end, p0, lengths, unsent = CLIENT.read(
-            self.sock.fileno(), self._buf, self._start, self._end, rid, device, name, ranges,
-            max(0, int(spin * 1e9)), watch_fd)
-        if status != CLIENT.REPLY:
-            return None, status, unsent
-        end = p0 + sum(lengths)
-        payload = memoryview(self._buf[p0:end])  # (a copy: the buffer is reused)
-        self._start = end
-        parts, pos = [], 0
-        for n in lengths:
-            parts.append(payload[pos:pos + n])
-            pos += n
-        return parts, status, None
-
     async def send(self, message, payload_parts=()) -> None:
         frame = self._frame(message, payload_parts)
         if not isinstance(frame, list):
@@ -312,6 +280,48 @@ class Connection(_Framing):
                 view = view[self.sock.send(view):]
             except BlockingIOError:
                 await self._wait(trio.lowlevel.wait_writable)
+
+
+def read_spun(requests, spin: float, watch_fd: int = -1) -> list:
+    """READ requests, each ``(conn, rid, device, name, ranges)`` (a Connection, the
+    request's id, its device, the fragment name as bytes, (offset, length) pairs),
+    all sent, then their replies received for up to ``spin`` seconds (no later than
+    the connections' ``deadline``) in C (CLIENT.read_all), with neither the GIL nor
+    the event loop: ~10 us a try in Connection._spin_loop (a scheduler round and an
+    exception) against well under 1 us, and no Python from the requests' building to
+    the replies' taking. The event loop waits meanwhile, so the spin ends early once
+    ``watch_fd`` (the FUSE device) has a request.
+
+    For each request: (parts, status, unsent, seconds). ``parts``: the reply's
+    parts (views of one buffer of their own) when it came, plain (no error), in
+    time, ``seconds`` after the first send; else None and what CLIENT says of the
+    wait (FRAME: another frame is buffered for recv; SPUN, WANTED; CLOSED: the
+    connection failed), with the part of the request the socket did not take (or
+    None): the caller sends that and takes the reply with recv, as for a request
+    sent by send."""
+    now = trio.current_time()
+    spin = min([spin] + [r[0].deadline - now for r in requests])
+    args = []
+    for conn, rid, device, name, ranges in requests:
+        if conn._start == conn._end:
+            conn._start = conn._end = 0
+        args.append((conn.sock.fileno(), conn._buf, conn._start, conn._end, rid, device,
+                     name, ranges))
+    out = []
+    for (conn, *_), (status, conn._end, p0, lengths, unsent, seconds) in zip(
+            requests, CLIENT.read_all(args, max(0, int(spin * 1e9)), watch_fd)):
+        if status != CLIENT.REPLY:
+            out.append((None, status, unsent, seconds))
+            continue
+        end = p0 + sum(lengths)
+        payload = memoryview(conn._buf[p0:end])  # (a copy: the buffer is reused)
+        conn._start = end
+        parts, pos = [], 0
+        for n in lengths:
+            parts.append(payload[pos:pos + n])
+            pos += n
+        out.append((parts, status, None, seconds))
+    return out
 
 
 class FileRange:

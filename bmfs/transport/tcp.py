@@ -20,7 +20,8 @@ import time
 import trio
 
 from ..config import microseconds_setting
-from ..node.protocol import CLIENT, Connection, ProtocolError, client_handshake
+from ..node.protocol import (CLIENT, Connection, ProtocolError, client_handshake,
+                             read_spun)
 from ..wire import node_pb2 as pb
 from . import DeviceError, TooSlow
 
@@ -31,6 +32,7 @@ LATE_DOWN = 3         # callers' deadlines missed in a row that mark a node down
 CONNECT_TIMEOUT = 2.0
 CLIENT_BUFFER = 256 << 10  # replies larger than 64 KiB get buffers of their own
 SMALL_READ = 64 << 10      # reads up to this size measure a node's latency (for hedging)
+MAX_SPUN = 16              # requests of one read_many sent and taken in C at the most
 # what a request can fail with that is the node's doing (or its deadlines'): DeviceError
 # or TooSlow for the caller (TcpTransport._failed)
 _FAILURES = (trio.TooSlowError, OSError, EOFError, ProtocolError)
@@ -110,7 +112,7 @@ class TcpTransport:
 
     def watch_requests(self, fd: int) -> None:
         """``fd`` (the FUSE device) is readable when requests wait for the event loop:
-        a small read's reply spun for in C (Connection.read_spun) stops spinning then."""
+        small reads' replies spun for in C (protocol.read_spun) stop spinning then."""
         self.watch_fd = fd
 
     def is_up(self, dev: int) -> bool:
@@ -247,58 +249,13 @@ class TcpTransport:
 
     async def read(self, dev: int, name: str, ranges, check=None,
                    deadline: float = math.inf) -> list[bytes]:
-        t0 = time.monotonic()
-        small = _small(ranges)
-        out = None
-        if small and CLIENT is not None and SPIN and not self._inflight:
-            out = await self._read_spun(dev, name, ranges, deadline, t0)
-        if out is None:
-            resp, payload = await self.request(dev, _read_request(name, ranges),
-                                               quick=small, deadline=deadline)
-            out = self._parts(dev, resp, payload, t0)
-        if check is not None:
-            check(out)
+        """The parts of fragment ``name`` that ``ranges`` ((offset, length) pairs) ask
+        for, with ``check(parts)`` run on them; raises DeviceError, TooSlow or what
+        ``check`` raises."""
+        (out,) = await self.read_many([(dev, name, ranges, check)], deadline)
+        if isinstance(out, Exception):
+            raise out
         return out
-
-    async def _read_spun(self, dev: int, name: str, ranges, deadline: float, t0: float):
-        """A lone small read, as request() would spin for it, on a pooled connection,
-        sent and its reply taken in C (Connection.read_spun): the reply's parts, or
-        None where request() is to do it (no idle connection, or one that failed:
-        the node closed it, say; the request is idempotent). A reply not in within
-        the spin is waited for as request() waits."""
-        node = self.device_node.get(dev)
-        if node is None or not node.idle or len(ranges) > 8:
-            return None
-        conn = node.idle.pop()
-        rid = next(self._ids)
-        own = trio.current_time() + self.timeout
-        conn.deadline = min(own, deadline)
-        try:
-            parts, status, unsent = conn.read_spun(rid, dev, name.encode(), ranges, SPIN,
-                                                   self.watch_fd)
-        except OSError:
-            conn.close()
-            return None
-        if status == CLIENT.CLOSED or unsent is not None:
-            # (a full send buffer on an idle connection: something is wrong with it)
-            conn.close()
-            return None
-        if parts is None:  # the rest as request() does it, on this connection
-            req = _read_request(name, ranges)
-            req.id, req.device = rid, dev
-            # (the rest of a spin cut short by a FUSE request is _spin_loop's: it lets
-            # other tasks run)
-            spin = SPIN - (time.monotonic() - t0) if status == CLIENT.WANTED else 0.0
-            self._inflight += 1
-            try:
-                resp, payload = await self._finish(node, dev, req, (), conn, True, own,
-                                                   deadline, spin)
-            finally:
-                self._inflight -= 1
-            return self._parts(dev, resp, payload, t0)
-        self._answered(node, conn)
-        self._took(node, sum(len(p) for p in parts), t0)
-        return parts
 
     def _answered(self, node: _Node, conn) -> None:
         """``node`` answered on ``conn``: the connection goes back to the pool (or is
@@ -325,13 +282,23 @@ class TcpTransport:
         (Connection._spin_loop). Connections are opened one after another: nodes
         that drop connects (not refuse them) cost CONNECT_TIMEOUT each, once (then
         they are down). Only the first reply's round trip goes into its node's
-        latency: the later ones' include the wait for those before them."""
+        latency: the later ones' include the wait for those before them.
+
+        Small reads with nothing else under way, where the Python path would spin
+        for their replies, are sent and taken in C where a pooled connection is idle
+        (_read_spun): a lone read, the usual case, and the k of a degraded one."""
         own = trio.current_time() + self.timeout
         out: list = [None] * len(reads)
         sent = collections.deque()
         self._inflight += len(reads)
         try:
+            first = True
+            if CLIENT is not None and SPIN and self._inflight == len(reads) and \
+                    all(_small(r[2]) for r in reads):
+                first = self._read_spun(reads, own, deadline, out, sent)
             for i, (dev, name, ranges, _) in enumerate(reads):
+                if out[i] is not None or any(item[0] == i for item in sent):
+                    continue
                 req = _read_request(name, ranges)
                 try:
                     node = self._node(dev)
@@ -340,7 +307,6 @@ class TcpTransport:
                     out[i] = e
                     continue
                 sent.append((i, node, req, conn, pooled, time.monotonic()))
-            first = True
             while sent:
                 # (off the list first: _finish pools or closes conn, whatever happens)
                 i, node, req, conn, pooled, t0 = sent.popleft()
@@ -353,18 +319,68 @@ class TcpTransport:
                 except (DeviceError, TooSlow) as e:
                     out[i] = e
                     continue
-                parts = out[i] = self._parts(dev, resp, payload, t0 if first else None)
+                out[i] = self._parts(dev, resp, payload, t0 if first else None)
                 first = False
-                if check is not None:
-                    try:
-                        check(parts)
-                    except Exception as e:  # noqa: BLE001 (the caller's, returned to it)
-                        out[i] = e
+                self._check(out, i, check)
         finally:
             self._inflight -= len(reads)
             for item in sent:  # cancelled: replies still owed on these
                 item[3].close()
         return out
+
+    def _read_spun(self, reads, own: float, deadline: float, out: list, sent) -> bool:
+        """read_many's requests that a pooled connection is idle for, sent and their
+        replies taken in C (protocol.read_spun) for up to the spin: the parts of those
+        that came (checked) go into ``out``; those still owed go into ``sent`` as if
+        _start had sent them (_finish waits for them as ever; a spin cut short by a
+        FUSE request goes on in _spin_loop, which lets other tasks run). The others
+        (no idle connection; one that failed: the node closed it, say) are left to
+        _start, the request again (every request is idempotent). Returns whether
+        the first round trip is still to be noted (None came back)."""
+        batch = []
+        for i, (dev, name, ranges, _) in enumerate(reads[:MAX_SPUN]):
+            node = self.device_node.get(dev)
+            if node is not None and node.idle and len(ranges) <= 8:
+                conn = node.idle.pop()
+                conn.deadline = min(own, deadline)
+                batch.append((i, node, conn, next(self._ids)))
+        if not batch:
+            return True
+        t0 = time.monotonic()
+        got = read_spun([(conn, rid, reads[i][0], reads[i][1].encode(), reads[i][2])
+                         for i, _, conn, rid in batch], SPIN, self.watch_fd)
+        fastest = None
+        for (i, node, conn, rid), (parts, status, unsent, seconds) in zip(batch, got):
+            dev, name, ranges, check = reads[i]
+            if parts is not None:
+                self._answered(node, conn)
+                out[i] = parts
+                if fastest is None or seconds < fastest[1]:
+                    fastest = (node, seconds, sum(len(p) for p in parts))
+                self._check(out, i, check)
+            elif status != CLIENT.CLOSED and unsent is None:
+                req = _read_request(name, ranges)
+                req.id, req.device = rid, dev
+                # (what is left of a spin cut short by a FUSE request is _spin_loop's)
+                conn.spin = max(0.0, SPIN - (time.monotonic() - t0)) \
+                    if status == CLIENT.WANTED else 0.0
+                sent.append((i, node, req, conn, True, t0))
+            else:  # (unsent: a full send buffer on an idle connection is no good sign)
+                conn.close()
+        if fastest is None:
+            return True
+        self._took(fastest[0], fastest[2], fastest[1])
+        return False
+
+    @staticmethod
+    def _check(out: list, i: int, check) -> None:
+        """Run the caller's ``check`` on the parts ``out[i]``; what it raises replaces
+        them."""
+        if check is not None:
+            try:
+                check(out[i])
+            except Exception as e:  # noqa: BLE001 (the caller's, returned to it)
+                out[i] = e
 
     def _parts(self, dev: int, resp, payload, t0: float | None) -> list:
         """A READ's reply as its ranges' parts (views of the payload, no copies); a
@@ -372,7 +388,7 @@ class TcpTransport:
         node's smoothed latency (the transfer time of a large one would not say how
         slow the node is)."""
         if t0 is not None:
-            self._took(self.device_node[dev], len(payload), t0)
+            self._took(self.device_node[dev], len(payload), time.monotonic() - t0)
         out, pos = [], 0
         for n in resp.lengths:
             out.append(payload[pos:pos + n])
@@ -380,12 +396,12 @@ class TcpTransport:
         return out
 
     @staticmethod
-    def _took(node: _Node, n: int, t0: float) -> None:
-        """A read of ``n`` bytes from ``node`` sent at ``t0`` (time.monotonic) is in: a
-        small one's round trip goes into the node's smoothed latency (the transfer
-        time of a large one would not say how slow the node is)."""
+    def _took(node: _Node, n: int, seconds: float) -> None:
+        """A read of ``n`` bytes from ``node`` took ``seconds``: a small one's round
+        trip goes into the node's smoothed latency (the transfer time of a large one
+        would not say how slow the node is)."""
         if n <= SMALL_READ:
-            node.latency = 0.8 * node.latency + 0.2 * (time.monotonic() - t0)
+            node.latency = 0.8 * node.latency + 0.2 * seconds
 
     async def delete(self, dev: int, name: str) -> None:
         await self.request(dev, pb.Request(op=Req.DELETE, name=name))

@@ -841,6 +841,19 @@ def test_c_client_takes_plain_replies_and_leaves_the_rest_to_python():
     trio.run(main)
 
 
+def _spy_spun(monkeypatch) -> list:
+    """From now on, record the statuses of each batch of requests the transport sends
+    and takes in C (protocol.read_spun)."""
+    batches, real = [], tcp.read_spun
+
+    def spy(requests, *args, **kw):
+        out = real(requests, *args, **kw)
+        batches.append([status for _, status, _, _ in out])
+        return out
+    monkeypatch.setattr(tcp, "read_spun", spy)
+    return batches
+
+
 @needs_client
 def test_reads_through_the_c_client_match_the_python_path(tmp_path, monkeypatch):
     """Small reads of a stripe over real node servers give the same bytes with the C
@@ -850,14 +863,7 @@ def test_reads_through_the_c_client_match_the_python_path(tmp_path, monkeypatch)
     data = os.urandom(3 << 20)
     spans = [(0, 4096), (4000, 200), (1 << 20, 4096), ((1 << 20) - 100, 300),
              (len(data) - 4096, 4096), (12345, 60_000)]
-    taken = []
-    real = tcp.read_spun
-
-    def spy(requests, *args, **kw):
-        out = real(requests, *args, **kw)
-        taken.append([status for _, status, _, _ in out])
-        return out
-    monkeypatch.setattr(tcp, "read_spun", spy)
+    taken = _spy_spun(monkeypatch)
     monkeypatch.setattr(tcp, "SPIN", 2.0)  # (up to a hedge's deadline: a loaded machine)
 
     async def body(nodes, client):
@@ -896,14 +902,7 @@ def test_c_client_takes_several_replies_at_once(tmp_path, monkeypatch):
     their fragments are rebuilt from k others right, each such read one batch of k
     plain replies; of two peers, the one that answers late is left to recv."""
     data = os.urandom(4 << 20)
-    batches = []
-    real = tcp.read_spun
-
-    def spy(requests, *args, **kw):
-        out = real(requests, *args, **kw)
-        batches.append([status for _, status, _, _ in out])
-        return out
-    monkeypatch.setattr(tcp, "read_spun", spy)
+    batches = _spy_spun(monkeypatch)
     monkeypatch.setattr(tcp, "SPIN", 2.0)
 
     async def body(nodes, client):

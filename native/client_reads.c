@@ -318,9 +318,12 @@ static void exchange(slot_t *slots, int n, uint64_t spin_ns, int watch_fd)
         if (hlen > MAX_HEADER || plen > MAX_PAYLOAD ||
             !plain_reply(h, h + hlen, s->r.id, s->r.nranges, s->len))
             continue;
-        for (int j = 0; j < s->r.nranges; j++)
+        int fits = 1;
+        for (int j = 0; fits && j < s->r.nranges; j++) {
+            fits = s->len[j] <= plen - total;  /* (no sum past the payload, no wrap) */
             total += s->len[j];
-        if (total == plen) {
+        }
+        if (fits && total == plen) {
             s->status = REPLY;
             s->poff = s->start + PREFIX + hlen;
         }
@@ -363,8 +366,13 @@ static PyObject *slot_result(const slot_t *s)
     PyObject *lengths = Py_None, *unsent = Py_None;
     if (s->status == REPLY) {
         lengths = PyTuple_New(s->r.nranges);
-        for (int i = 0; lengths != NULL && i < s->r.nranges; i++)
-            PyTuple_SET_ITEM(lengths, i, PyLong_FromUnsignedLongLong(s->len[i]));
+        for (int i = 0; lengths != NULL && i < s->r.nranges; i++) {
+            PyObject *n = PyLong_FromUnsignedLongLong(s->len[i]);
+            if (n == NULL)
+                Py_CLEAR(lengths);
+            else
+                PyTuple_SET_ITEM(lengths, i, n);
+        }
     } else {
         Py_INCREF(lengths);
     }

@@ -15,6 +15,7 @@ import time
 import pytest
 import trio
 
+from bmfs.data import client as client_mod
 from bmfs.data.client import DataClient
 from bmfs.data import fragment as fr
 from bmfs.data.codec import LIB_HEADER
@@ -758,11 +759,10 @@ def test_c_client_takes_plain_replies_and_leaves_the_rest_to_python():
         conn = Connection(b, 64 << 10)
         ranges = [(0, 4096), (10, 904)]
 
-        def asked():  # the request the peer got
+        def asked():  # the request the peer got, and whether anything followed it
             conn_a = BlockingConnection(a, 4096)
             req, _ = conn_a.recv(pb.Request)
-            assert conn_a.pending() == b""
-            return req
+            return req, conn_a.pending()
 
         def answer_later(data, pieces=1, pause=0.0):
             def go():
@@ -784,8 +784,9 @@ def test_c_client_takes_plain_replies_and_leaves_the_rest_to_python():
             t.join()
             assert status == protocol.CLIENT.REPLY and unsent is None
             assert [bytes(p) for p in parts] == [payload[:4096], payload[4096:5000]]
-            assert got[0].id == 11 and got[0].device == 3 and \
-                [(r.offset, r.length) for r in got[0].ranges] == ranges
+            req, more = got[0]
+            assert req.id == 11 and req.device == 3 and more == b"" and \
+                [(r.offset, r.length) for r in req.ranges] == ranges
             assert conn._start == conn._end
         # an error reply, another id, an oversized prefix: recv's
         for data, check in [
@@ -864,7 +865,9 @@ def test_reads_through_the_c_client_match_the_python_path(tmp_path, monkeypatch)
     spans = [(0, 4096), (4000, 200), (1 << 20, 4096), ((1 << 20) - 100, 300),
              (len(data) - 4096, 4096), (12345, 60_000)]
     taken = _spy_spun(monkeypatch)
-    monkeypatch.setattr(tcp, "SPIN", 2.0)  # (up to a hedge's deadline: a loaded machine)
+    # (a loaded machine: no reply comes too late for the spin, or for a hedge)
+    monkeypatch.setattr(tcp, "SPIN", 2.0)
+    monkeypatch.setattr(client_mod, "HEDGE_MIN", 10.0)
 
     async def body(nodes, client):
         st = await client.write_stripe(21, data)
@@ -877,6 +880,12 @@ def test_reads_through_the_c_client_match_the_python_path(tmp_path, monkeypatch)
                 assert taken == [[protocol.CLIENT.REPLY]] * len(spans)
             else:
                 assert taken == []
+        # a read of two fragments sends both requests before either waits: not in C
+        # (it would hold the event loop, and the other read's task, until answered)
+        del taken[:]
+        bs = st.frag_len - LIB_HEADER
+        assert bytes(await client.read(21, st, bs - 2048, 4096)) == data[bs - 2048:bs + 2048]
+        assert taken == []
         assert client.stats["degraded_reads"] == 0
         # a pooled connection the node closed: a fresh one, no degraded read
         dev = st.devices[0]
@@ -904,6 +913,7 @@ def test_c_client_takes_several_replies_at_once(tmp_path, monkeypatch):
     data = os.urandom(4 << 20)
     batches = _spy_spun(monkeypatch)
     monkeypatch.setattr(tcp, "SPIN", 2.0)
+    monkeypatch.setattr(client_mod, "HEDGE_MIN", 10.0)
 
     async def body(nodes, client):
         st = await client.write_stripe(31, data)
@@ -927,23 +937,25 @@ def test_c_client_takes_several_replies_at_once(tmp_path, monkeypatch):
     async def main():
         pairs = [socket.socketpair() for _ in range(2)]
         conns = [Connection(b, 64 << 10) for _, b in pairs]
-        frame = _frame(pb.Response(id=2, lengths=[3]).SerializeToString(), b"abc")
+        late = threading.Event()
 
-        def answer(sock, rid, pause):
+        def answer(sock, rid, wait):
             BlockingConnection(sock, 4096).recv(pb.Request)
-            time.sleep(pause)
+            if wait:
+                assert late.wait(10)
             sock.sendall(_frame(pb.Response(id=rid, lengths=[3]).SerializeToString(), b"abc"))
-        threads = [threading.Thread(target=answer, args=(pairs[0][0], 1, 0.0)),
-                   threading.Thread(target=answer, args=(pairs[1][0], 2, 0.3))]
+        threads = [threading.Thread(target=answer, args=(pairs[0][0], 1, False)),
+                   threading.Thread(target=answer, args=(pairs[1][0], 2, True))]
         for t in threads:
             t.start()
         got = protocol.read_spun([(conns[0], 1, 0, b"a", [(0, 3)]),
-                                  (conns[1], 2, 0, b"b", [(0, 3)])], 0.05)
+                                  (conns[1], 2, 0, b"b", [(0, 3)])], 0.3)
+        late.set()
         assert [g[1] for g in got] == [protocol.CLIENT.REPLY, protocol.CLIENT.SPUN]
-        assert bytes(got[0][0][0]) == b"abc" and got[0][3] < 0.05
+        assert bytes(got[0][0][0]) == b"abc" and got[0][3] < 0.3
         with trio.fail_after(5):
             resp, payload = await conns[1].recv(pb.Response)
-        assert resp.id == 2 and bytes(payload) == b"abc" and frame
+        assert resp.id == 2 and bytes(payload) == b"abc"
         for t in threads:
             t.join()
         for (a, _), c in zip(pairs, conns):

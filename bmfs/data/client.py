@@ -11,6 +11,7 @@ Damage seen on the way is reported through ``on_damage(sid, index, reason)``.
 from __future__ import annotations
 
 import array
+import contextlib
 import functools
 import itertools
 import logging
@@ -157,6 +158,19 @@ class DataClient:
                     pass
 
     # -- reads ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def side_by_side(self):
+        """Around reads started side by side (the tasks of one nursery): meanwhile the
+        transport does not hold the event loop for one of them (TcpTransport's small
+        reads in C), which would keep the others from sending theirs until it is
+        answered."""
+        t = self.transport
+        t.side_by_side = getattr(t, "side_by_side", 0) + 1
+        try:
+            yield
+        finally:
+            t.side_by_side -= 1
+
     async def read(self, sid: int, st: Stripe, offset: int, length: int):
         """Bytes [offset, offset+length) of the stripe (clipped to its length): bytes,
         or a read-only memoryview (no copy of a large reply) when not clipped."""
@@ -312,9 +326,10 @@ class DataClient:
         if first == last:
             await one(first)
         else:
-            async with trio.open_nursery() as nursery:
-                for i in range(first, last + 1):
-                    nursery.start_soon(one, i)
+            with self.side_by_side():
+                async with trio.open_nursery() as nursery:
+                    for i in range(first, last + 1):
+                        nursery.start_soon(one, i)
         if failed:
             raise failed[0]
         return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -314,7 +314,7 @@ def read_spun(requests, spin: float, watch_fd: int = -1) -> list:
             out.append((None, status, unsent, seconds))
             continue
         end = p0 + sum(lengths)
-        payload = memoryview(conn._buf[p0:end])  # (a copy: the buffer is reused)
+        payload = memoryview(bytes(memoryview(conn._buf)[p0:end]))  # (the buffer is reused)
         conn._start = end
         parts, pos = [], 0
         for n in lengths:

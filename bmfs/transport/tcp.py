@@ -82,6 +82,9 @@ class TcpTransport:
         self._ids = itertools.count(1)
         self._inflight = 0  # requests under way
         self.watch_fd = -1  # the FUSE device, if known (watch_requests)
+        # reads being started side by side (DataClient.side_by_side): the event loop
+        # waits while C spins, and their tasks would wait with it to send theirs
+        self.side_by_side = 0
         self.stores = {dev: addr for dev, addr in devices.items()}  # for status
 
     def add_device(self, dev: int, address: str) -> None:
@@ -294,7 +297,7 @@ class TcpTransport:
         try:
             first = True
             if CLIENT is not None and SPIN and self._inflight == len(reads) and \
-                    all(_small(r[2]) for r in reads):
+                    not self.side_by_side and all(_small(r[2]) for r in reads):
                 first = self._read_spun(reads, own, deadline, out, sent)
             for i, (dev, name, ranges, _) in enumerate(reads):
                 if out[i] is not None or any(item[0] == i for item in sent):
@@ -306,13 +309,14 @@ class TcpTransport:
                 except (DeviceError, TooSlow) as e:
                     out[i] = e
                     continue
-                sent.append((i, node, req, conn, pooled, time.monotonic()))
+                sent.append((i, node, req, conn, pooled, time.monotonic(), None))
             while sent:
                 # (off the list first: _finish pools or closes conn, whatever happens)
-                i, node, req, conn, pooled, t0 = sent.popleft()
+                i, node, req, conn, pooled, t0, spin = sent.popleft()
                 dev, _, ranges, check = reads[i]
-                quiet = self._inflight == len(reads)
-                spin = SPIN if quiet and _small(ranges) else 0.0
+                if spin is None:  # (not spun for in C already)
+                    quiet = self._inflight == len(reads)
+                    spin = SPIN if quiet and _small(ranges) else 0.0
                 try:
                     resp, payload = await self._finish(node, dev, req, (), conn, pooled,
                                                        own, deadline, spin)
@@ -340,32 +344,40 @@ class TcpTransport:
         batch = []
         for i, (dev, name, ranges, _) in enumerate(reads[:MAX_SPUN]):
             node = self.device_node.get(dev)
-            if node is not None and node.idle and len(ranges) <= 8:
-                conn = node.idle.pop()
-                conn.deadline = min(own, deadline)
-                batch.append((i, node, conn, next(self._ids)))
+            name = name.encode()
+            if node is not None and node.idle and len(ranges) <= 8 and len(name) <= 64:
+                batch.append((i, node, node.idle.pop(), next(self._ids), name))
         if not batch:
             return True
+        for _, _, conn, _, _ in batch:
+            conn.deadline = min(own, deadline)
         t0 = time.monotonic()
-        got = read_spun([(conn, rid, reads[i][0], reads[i][1].encode(), reads[i][2])
-                         for i, _, conn, rid in batch], SPIN, self.watch_fd)
         fastest = None
-        for (i, node, conn, rid), (parts, status, unsent, seconds) in zip(batch, got):
-            dev, name, ranges, check = reads[i]
-            if parts is not None:
-                self._answered(node, conn)
-                out[i] = parts
-                if fastest is None or seconds < fastest[1]:
-                    fastest = (node, seconds, sum(len(p) for p in parts))
-                self._check(out, i, check)
-            elif status != CLIENT.CLOSED and unsent is None:
-                req = _read_request(name, ranges)
-                req.id, req.device = rid, dev
-                # (what is left of a spin cut short by a FUSE request is _spin_loop's)
-                conn.spin = max(0.0, SPIN - (time.monotonic() - t0)) \
-                    if status == CLIENT.WANTED else 0.0
-                sent.append((i, node, req, conn, True, t0))
-            else:  # (unsent: a full send buffer on an idle connection is no good sign)
+        try:
+            got = read_spun([(conn, rid, reads[i][0], name, reads[i][2])
+                             for i, _, conn, rid, name in batch], SPIN, self.watch_fd)
+            while batch:
+                i, node, conn, rid, _ = batch.pop(0)
+                parts, status, unsent, seconds = got.pop(0)
+                dev, name, ranges, check = reads[i]
+                if parts is not None:
+                    self._answered(node, conn)
+                    out[i] = parts
+                    if fastest is None or seconds < fastest[1]:
+                        fastest = (node, seconds, sum(len(p) for p in parts))
+                    self._check(out, i, check)
+                elif status != CLIENT.CLOSED and unsent is None:
+                    req = _read_request(name, ranges)
+                    req.id, req.device = rid, dev
+                    # (what is left of a spin cut short by a FUSE request is
+                    # _spin_loop's, which lets other tasks run)
+                    spin = max(0.0, SPIN - (time.monotonic() - t0)) \
+                        if status == CLIENT.WANTED else 0.0
+                    sent.append((i, node, req, conn, True, t0, spin))
+                else:  # (unsent: a full send buffer on an idle connection: no good sign)
+                    conn.close()
+        finally:
+            for _, _, conn, _, _ in batch:  # (read_spun raised: nothing was sent)
                 conn.close()
         if fastest is None:
             return True

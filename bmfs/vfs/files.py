@@ -809,9 +809,10 @@ class Files:
 
         async def one(j, p):
             out[j] = await self._piece(txn, of, p)
-        async with trio.open_nursery() as nursery:
-            for j, p in enumerate(pieces):
-                nursery.start_soon(one, j, p)
+        with self.data.side_by_side():
+            async with trio.open_nursery() as nursery:
+                for j, p in enumerate(pieces):
+                    nursery.start_soon(one, j, p)
         return b"".join(out)
 
     def _read_cache(self, of: OpenFile, chain) -> list:

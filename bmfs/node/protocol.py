@@ -25,8 +25,8 @@ import trio
 from ..data.native import optional
 from ..wire import node_pb2 as pb
 
-# a lone small READ sent and its reply taken in C (native/client_reads.c), or None:
-# the Python path does it (Connection.send, recv and _spin_loop)
+# small READs sent and their replies taken in C (native/client_reads.c: read_spun),
+# or None: the Python path does it (Connection.send, recv and _spin_loop)
 CLIENT = optional("bmfs.node._client")
 
 VERSION = 1

@@ -32,7 +32,9 @@ LATE_DOWN = 3         # callers' deadlines missed in a row that mark a node down
 CONNECT_TIMEOUT = 2.0
 CLIENT_BUFFER = 256 << 10  # replies larger than 64 KiB get buffers of their own
 SMALL_READ = 64 << 10      # reads up to this size measure a node's latency (for hedging)
-MAX_SPUN = 16              # requests of one read_many sent and taken in C at the most
+# the C client's limits (native/client_reads.c): requests of one read_many sent and
+# taken in C at the most, ranges of one request, bytes of a fragment name
+MAX_SPUN, SPUN_RANGES, SPUN_NAME = 16, 8, 64
 # what a request can fail with that is the node's doing (or its deadlines'): DeviceError
 # or TooSlow for the caller (TcpTransport._failed)
 _FAILURES = (trio.TooSlowError, OSError, EOFError, ProtocolError)
@@ -295,12 +297,13 @@ class TcpTransport:
         sent = collections.deque()
         self._inflight += len(reads)
         try:
-            first = True
+            first, spun = True, ()
             if CLIENT is not None and SPIN and self._inflight == len(reads) and \
                     not self.side_by_side and all(_small(r[2]) for r in reads):
                 first = self._read_spun(reads, own, deadline, out, sent)
+                spun = {item[0] for item in sent}  # (sent in C, replies still owed)
             for i, (dev, name, ranges, _) in enumerate(reads):
-                if out[i] is not None or any(item[0] == i for item in sent):
+                if out[i] is not None or i in spun:
                     continue
                 req = _read_request(name, ranges)
                 try:
@@ -345,7 +348,8 @@ class TcpTransport:
         for i, (dev, name, ranges, _) in enumerate(reads[:MAX_SPUN]):
             node = self.device_node.get(dev)
             name = name.encode()
-            if node is not None and node.idle and len(ranges) <= 8 and len(name) <= 64:
+            if node is not None and node.idle and len(ranges) <= SPUN_RANGES and \
+                    len(name) <= SPUN_NAME:
                 batch.append((i, node, node.idle.pop(), next(self._ids), name))
         if not batch:
             return True

@@ -3,6 +3,7 @@ import os
 
 from ..config import DEFAULT_LAYOUT, LAYOUTS, parse_ec
 from .common import run_trio
+from .main import UserError
 
 
 def add_parser(sub):
@@ -26,9 +27,38 @@ def argparse_help():
     return "data bytes per fragment of a full stripe (default 1 MiB)"
 
 
+# what an empty directory may hold: a fresh filesystem's lost+found, the secret an
+# earlier `mkfs --on-nodes` wrote (kept, so nodes given it stay valid)
+MAY_HOLD = {"lost+found", "secret"}
+
+
+def check_volume_dir(path: str) -> None:
+    """A new volume goes into a new or empty directory: never over a user's files, a
+    regular file, or a place where files cannot be made (/proc, /sys)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UserError(f"{path} exists and is not a directory")
+    if os.path.isdir(path):
+        try:
+            held = sorted(set(os.listdir(path)) - MAY_HOLD)
+        except OSError as e:
+            raise UserError(f"cannot list {path}: {e.strerror}")
+        if held:
+            raise UserError(f"{path} is not empty (it holds {held[0]!r}"
+                            f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): "
+                            f"mkfs makes a volume in a new or empty directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".mkfs-probe")
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"cannot make a volume in {path}: {e.strerror}")
+
+
 def run(args) -> int:
     from ..vfs.volume import mkfs
     k, m = parse_ec(args.ec)
+    check_volume_dir(args.volume)
     if args.fragment_size < 4096 or args.fragment_size % 4096:
         raise ValueError("--fragment-size must be a multiple of 4096")
     s = run_trio(lambda: mkfs(args.volume, k, m, args.device or None, args.meta,

@@ -20,7 +20,8 @@ def add_parser(sub):
     p.add_argument("--branch", default="main", help="branch shown at the root (default main)")
     p.add_argument("--foreground", "-f", action="store_true", help="do not detach")
     p.add_argument("--ec", default="4+2", help="erasure code when creating the default volume")
-    p.add_argument("--timeout", type=float, default=1.0, help="kernel attribute cache seconds")
+    p.add_argument("--timeout", type=cache_seconds, default=1.0,
+                   help="kernel attribute cache seconds (0 to 3600, default 1)")
     p.add_argument("--ready-fd", type=int, help=argparse_suppress())
     p.set_defaults(func=run)
 
@@ -40,8 +41,33 @@ def argparse_suppress():
     return argparse.SUPPRESS
 
 
+def cache_seconds(text: str) -> float:
+    """argparse type of --timeout: seconds the kernel may cache attributes and names."""
+    import argparse
+    import math
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0 <= v <= 3600:  # (nan fails both)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds from 0 to 3600")
+    return v
+
+
 def _check_mountpoint(mp):
-    if not os.path.isdir(mp):
+    import errno
+    import stat
+    try:
+        # statfs is never answered from the kernel's caches: a mount whose daemon is
+        # gone fails it with ENOTCONN even while its root's attributes are cached
+        os.statvfs(mp)
+        st = os.stat(mp)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            raise UserError(f"{mp} is a dead FUSE mount (its daemon is gone): unmount it "
+                            f"first (bmfs umount {mp}, or umount -l {mp} while it is busy)")
+        raise UserError(f"mount point {mp}: {e.strerror}")
+    if not stat.S_ISDIR(st.st_mode):
         raise UserError(f"mount point {mp} is not a directory")
     if find_mount(mp):
         raise UserError(f"{mp} is already mounted")

@@ -45,6 +45,80 @@ def read_volume_file(path: str) -> dict:
     return info
 
 
+def _home(info: dict) -> str | None:
+    """The directory the volume was made in: named in volume.json (``home``), or, for
+    volumes made before that, the directory of its default SQLite database."""
+    if info.get("home"):
+        return info["home"]
+    meta = info.get("meta", "")
+    if meta.startswith("sqlite:") and os.path.basename(meta[7:]) == "meta.db":
+        return os.path.dirname(meta[7:])
+    return None
+
+
+def _relocation(path: str, info: dict) -> str | None:
+    """The directory a copied or moved single-machine volume was made in, if ``path``
+    is such a copy (it holds a database of its own, but volume.json still names the
+    original's); None for a volume at home, or one whose metadata lives elsewhere
+    (etcd, ``mkfs --meta``), where copying the directory copies only its address.
+
+    Raises VolumeError for a copy whose original is still there and that shares device
+    directories outside itself with it: both volumes would write the same fragment
+    files."""
+    home = _home(info)
+    here = os.path.realpath(path)
+    if home is None or os.path.realpath(home) == here \
+            or info.get("meta") != f"sqlite:{home}/meta.db" \
+            or not os.path.exists(os.path.join(here, "meta.db")):
+        return None
+    return home
+
+
+def _relocate_record(rec: dict, home: str, here: str) -> dict:
+    p = rec.get("path", "")
+    if rec.get("node", "local") == "local" and (p == home or p.startswith(home + "/")):
+        return {**rec, "path": here + p[len(home):]}
+    return rec
+
+
+async def _make_own(kv, path: str, info: dict, home: str) -> None:
+    """Make a copied or moved volume its own: device records under the original
+    directory now name the same directories under this one, and volume.json names
+    this directory's database. Devices outside the volume directory are shared with
+    the original only if it is still there: refused (it would corrupt both)."""
+    here = os.path.realpath(path)
+    records = await device_records(kv)
+    original_there = os.path.exists(os.path.join(home, VOLUME_FILE))
+    outside = [rec["path"] for rec in records.values()
+               if not rec.get("removed") and rec.get("node", "local") == "local"
+               and _relocate_record(rec, home, here) is rec]
+    if original_there and outside:
+        raise VolumeError(
+            f"{path} is a copy of the volume in {home}, and its devices "
+            f"{', '.join(outside)} are outside the volume directory: both volumes would "
+            f"write the same fragment files. Copy those devices and point the copy at "
+            f"them, or mount the original")
+
+    async def fn(txn):
+        for dev, rec in (await device_records(txn)).items():
+            new = _relocate_record(rec, home, here)
+            if new is not rec:
+                txn.put(keys.device(dev), json.dumps(new).encode())
+    await kv.transact(fn)
+    _write_volume_file(path, {**info, "meta": f"sqlite:{here}/meta.db", "home": here})
+    log.warning("%s: a copy or move of the volume made in %s: its metadata and device "
+                "records now name this directory", path, home)
+
+
+def _write_volume_file(path: str, info: dict) -> None:
+    tmp = os.path.join(path, VOLUME_FILE) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, os.path.join(path, VOLUME_FILE))
+
+
 async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = None,
                meta: str | None = None, fragment_size: int = 1 << 20,
                nodes: list[str] | None = None,
@@ -71,12 +145,12 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
         devices = []
     else:
         devices = [d if d.startswith("pmem:") else os.path.abspath(d) for d in devices] \
-            if devices else [os.path.join(os.path.abspath(path), f"dev{i}") for i in range(k + m)]
+            if devices else [os.path.join(os.path.realpath(path), f"dev{i}") for i in range(k + m)]
     if len(set(devices)) != len(devices):
         raise VolumeError("the same device path is given twice")
     settings = VolumeSettings(uuid=str(uuidlib.uuid4()), k=k, m=m,
                               fragment_size=fragment_size, created=time.time())
-    meta = meta or f"sqlite:{os.path.abspath(path)}/meta.db"
+    meta = meta or f"sqlite:{os.path.realpath(path)}/meta.db"
     kv = await open_kv(meta)
     try:
         if await kv.get(keys.SETTINGS) is not None:
@@ -104,12 +178,9 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
         await kv.sync()
     finally:
         await kv.aclose()
-    with open(os.path.join(path, VOLUME_FILE) + ".tmp", "w") as f:
-        json.dump({"magic": "bmfs-volume", "meta": meta, "uuid": settings.uuid,
-                   **({"secret": "secret"} if nodes or on_nodes else {})}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(os.path.join(path, VOLUME_FILE) + ".tmp", os.path.join(path, VOLUME_FILE))
+    _write_volume_file(path, {"magic": "bmfs-volume", "meta": meta, "uuid": settings.uuid,
+                              "home": os.path.realpath(path),
+                              **({"secret": "secret"} if nodes or on_nodes else {})})
     return settings
 
 
@@ -203,7 +274,12 @@ class Volume:
         Raises VolumeError: no volume there, another volume's metadata, or a format
         revision this bmfs does not read."""
         info = read_volume_file(path)
-        kv = await open_kv(info["meta"])
+        home = _relocation(path, info)
+        if home is not None and not upgrade:
+            raise VolumeError(f"{path} is a copy or move of the volume made in {home}: "
+                              f"mount it (or fsck --repair) once to make it its own")
+        kv = await open_kv(f"sqlite:{os.path.realpath(path)}/meta.db" if home
+                           else info["meta"])
         try:
             raw = await kv.get(keys.SETTINGS)
             if raw is None:
@@ -218,6 +294,8 @@ class Volume:
             settings = VolumeSettings.from_json(d)
             if settings.uuid != info.get("uuid"):
                 raise VolumeError(f"{path}: {VOLUME_FILE} and the metadata name different volumes")
+            if home is not None:
+                await _make_own(kv, path, info, home)
             records = await device_records(kv)
             # (a volume made for storage nodes names its secret before it has devices)
             if "secret" in info or any(rec.get("node", "local") != "local"

@@ -4,6 +4,24 @@ from __future__ import annotations
 import os
 
 
+def tune_malloc() -> bool:
+    """Keep large buffers in malloc's arena, for this whole process: pyeclib allocates
+    each fragment afresh, and with glibc's defaults every 1 MiB buffer is mmap'd and
+    handed back to the kernel, which cuts encode speed many times over on machines
+    where fresh memory is slow to touch (design.md, "Buffers"). Called by bmfs's own
+    processes (every `bmfs` command, the mount and node daemons), never on import: a
+    program that imports bmfs keeps its own malloc settings. False where the C
+    library is not glibc."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    libc.mallopt(-3, 64 << 20)   # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 1 << 30)    # M_TRIM_THRESHOLD
+    return True
+
+
 def alive(pid: int) -> bool:
     """True while ``pid`` runs. A zombie (exited, not yet reaped by a parent that may
     never reap it, e.g. in containers whose init does not) counts as gone once it is

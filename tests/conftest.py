@@ -1,9 +1,12 @@
 import os
 import sys
 
-# Large buffers stay in malloc's arena (see bmfs/__init__.py); tests import bmfs first.
 sys.dont_write_bytecode = False
 os.environ.setdefault("BMFS_TEST", "1")
+
+from bmfs.proc import tune_malloc  # noqa: E402
+
+tune_malloc()  # in-process encodes run at a daemon's speed (bmfs.proc.tune_malloc)
 
 import pytest  # noqa: E402
 

@@ -16,3 +16,10 @@ def test_the_command_line_starts_without_the_event_loop_or_the_volume_code():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == ""
+
+
+def test_version():
+    from importlib.metadata import version
+    res = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "--version"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == f"bmfs {version('bmfs')}", res

@@ -45,3 +45,30 @@ def test_a_process_is_alive_until_its_last_thread_has_exited():
     finally:
         p.kill()
         p.wait()
+
+
+# Where glibc puts an 8 MiB malloc: in the heap (brk) only while its mmap threshold is
+# raised; by default a block this big is a mapping of its own.
+MALLOC_PROBE = """
+import ctypes, sys
+{setup}
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+addr = libc.malloc(8 << 20)
+with open("/proc/self/maps") as f:
+    heap = [line.split()[0] for line in f if line.rstrip().endswith("[heap]")]
+print(any(int(a, 16) <= addr < int(b, 16) for a, b in (r.split("-") for r in heap)))
+"""
+
+
+def _big_malloc_in_heap(setup: str) -> bool:
+    out = subprocess.run([sys.executable, "-c", MALLOC_PROBE.format(setup=setup)],
+                         check=True, capture_output=True, text=True).stdout
+    return out.strip() == "True"
+
+
+def test_importing_bmfs_leaves_the_programs_malloc_alone():
+    """A program that imports bmfs (the typed views, the volume code) keeps glibc's
+    malloc settings; bmfs's own processes raise them (tune_malloc, as `bmfs` does)."""
+    assert not _big_malloc_in_heap("import bmfs, bmfs.vfs.volume, bmfs.data.client, bmfs.cli.main")
+    assert _big_malloc_in_heap("from bmfs.proc import tune_malloc; tune_malloc()")

@@ -19,10 +19,20 @@ class UserError(Exception):
     """A mistake of the user's: printed as one line, exit status 2."""
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("bmfs")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bmfs", description="bmfs: an erasure-coded POSIX "
                                 "filesystem with branches and typed views")
     p.add_argument("--debug", action="store_true", help="log debug messages")
+    p.add_argument("--version", action="version", version=f"bmfs {_version()}",
+                   help="print bmfs's version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:
@@ -37,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from ..proc import tune_malloc
+    tune_malloc()  # this is a bmfs process (a command or a daemon), not an importer's
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,

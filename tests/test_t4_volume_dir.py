@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 from bmfs.proc import alive
@@ -131,3 +132,12 @@ def test_a_copy_sharing_outside_devices_with_its_original_is_refused(tmp_path):
     assert left_unmounted(mp)
     assert res.returncode == 2 and "outside the volume directory" in res.stderr, res.stderr
     assert _meta(copy) == _meta(vol)  # nothing rewritten
+
+
+def test_status_without_a_target_uses_the_mount_it_runs_in(mnt):
+    sub = os.path.join(mnt.mp, "d")
+    os.mkdir(sub)
+    res = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "status", "--json"],
+                         cwd=sub, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["mountpoint"] == mnt.mp

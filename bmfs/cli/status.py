@@ -1,20 +1,22 @@
-"""bmfs status VOLUME|MOUNTPOINT [--json]"""
+"""bmfs status [VOLUME|MOUNTPOINT] [--json]"""
 import json
 import os
 
-from .common import control, find_mount, mounts, run_trio
+from .common import control, find_mount, mount_root_of, mounts, run_trio
 
 
 def add_parser(sub):
     p = sub.add_parser("status", help="show a volume's devices, health and usage")
-    p.add_argument("target", help="a volume directory or a mount point")
+    p.add_argument("target", nargs="?", help="a volume directory or a mount point "
+                   "(default: the mount holding the current directory, or the only "
+                   "bmfs mount)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from ..vfs.status import render
-    target = os.path.abspath(args.target)
+    target = os.path.abspath(args.target) if args.target else mount_root_of(os.getcwd())
     m = find_mount(target)
     if m is None:
         # a volume that is mounted is asked through its mount (it owns the metadata)

@@ -14,7 +14,7 @@ offset   size  field
 24       4     number of blocks N
 28       4     crc32c of bytes [0, 28) and of the block table
 32       4*N   crc32c of each block of the payload (the first and last may be short)
-32+4N          revision 2: zeros up to the payload offset D
+32+4N          revision 2: zeros up to the payload offset D (checked by readers)
 D        P     payload; revision 1: D = 32+4N
 =======  ====  ============================================================
 
@@ -33,7 +33,9 @@ A stripe record names the revision of its fragments (``Stripe.frag_version``;
 records written before revision 2 say 1). Both are read; new fragments are revision 2.
 
 Per-block checksums let a 4 KiB read verify just the blocks it touches; every read
-checks the header and the blocks it returns. A whole block table is computed by one
+checks the header (with the padding after it: zeros) and the blocks it returns, so
+no byte of the file goes unchecked (a whole read also checks nothing follows the
+payload). A whole block table is computed by one
 call of the C helper when it is built (bmfs/data/native.py), else block by block.
 """
 from __future__ import annotations

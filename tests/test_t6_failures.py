@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from fragments import empty_device, flip, intact_keys, lose, on_device, on_volume, payload_area
+from fragments import (empty_device, flip, intact, intact_keys, lose, on_device, on_volume,
+                       payload_area)
 from mountutil import Mounted, assert_fsck_clean, bmfs, daemon_pid, fsck, is_mounted, mkfs
 
 MiB = 1 << 20
@@ -501,3 +502,116 @@ def test_background_repair_rebuilds_lost_fragments(volume, tmp_path, monkeypatch
         assert lost <= intact_keys(dev2), "the lost fragments were not rebuilt"
     res = fsck(volume, "--full")
     assert res.returncode == 0, res.stdout
+
+
+# -- bad blocks in several fragments of a stripe; repair that cannot finish --------------
+def flip_block(f, row: int) -> None:
+    """Invert a byte of payload block ``row`` of the fragment (revision 2: block 0 is
+    pyeclib's header, block j >= 1 the 4 KiB from payload offset 80 + 4096 (j - 1))."""
+    start, _ = payload_area(f)
+    flip(f, start + 80 + 4096 * (row - 1) + 123)
+
+
+def test_bad_blocks_in_three_fragments_read_and_repair(mnt):
+    """One bad 4 KiB block in each of three fragments of a stripe, each at its own
+    block row: every read through the mount (4 KiB, whole file) gives the file's
+    bytes, `bmfs scrub` and `bmfs repair` bring the volume back (exit 0, fsck --full
+    clean). Three bad blocks in one row of a stripe: reads that need them fail with
+    EIO (the other 4 KiB reads are right), and repair exits 1 saying why."""
+    rng = random.Random(27)
+    files = {name: rng.randbytes(4 * MiB) for name in ("read", "scrubbed", "lost")}
+    for name, data in files.items():
+        with open(os.path.join(mnt.mp, name), "wb") as f:
+            f.write(data)
+    mnt.umount()
+    frags = on_volume(mnt.volume)
+    sids = sorted({f.sid for f in frags})
+    assert len(sids) == 3
+    by = {(f.sid, f.idx): f for f in frags}
+    rows = {"read": (3, 100, 200), "scrubbed": (7, 8, 250), "lost": (60, 60, 60)}
+    damaged = {}  # stripe of each file, in the order written
+    for (name, at), sid in zip(rows.items(), sids):
+        for idx, row in enumerate(at):
+            flip_block(by[(sid, idx)], row)
+        damaged[name] = sid
+    with Mounted(mnt.volume, mnt.mp):
+        with open(os.path.join(mnt.mp, "read"), "rb") as f:
+            assert f.read() == files["read"]  # (which queues the damage it met)
+        res = bmfs("repair", mnt.mp, check=False)  # (it said "stripes failed: 1", exit 1)
+        assert res.returncode == 0 and "stripes failed: 0" in res.stdout, (res.stdout,
+                                                                          res.stderr)
+        assert "fragments rebuilt: 3" in res.stdout, res.stdout
+        fd = os.open(os.path.join(mnt.mp, "lost"), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # 4 KiB asked, 4 KiB read
+        try:
+            # row 60 of a fragment holds its bytes [59 x 4 KiB, 60 x 4 KiB); fragment
+            # 3's are good
+            for off in (0, 58 * 4096, 60 * 4096, MiB + 4096, 3 * MiB + 59 * 4096):
+                assert os.pread(fd, 4096, off) == files["lost"][off:off + 4096], off
+            for off in (59 * 4096, MiB + 59 * 4096, 2 * MiB + 59 * 4096):
+                expect_errno(errno.EIO, os.pread, fd, 4096, off)
+        finally:
+            os.close(fd)
+        expect_errno(errno.EIO, lambda: open(os.path.join(mnt.mp, "lost"), "rb").read())
+        res = bmfs("scrub", mnt.mp, "--json", check=False)
+        assert res.returncode == 1, (res.stdout, res.stderr)
+        report = json.loads(res.stdout)
+        assert report["stripes_short"] == 1, report
+        assert report["fragments_short"] == {"unreadable": 3}, report
+        assert "stripe unreadable" in res.stderr, res.stderr
+        # the lost stripe's bytes put back: what was queued reads whole again
+        for idx in range(3):
+            flip_block(by[(damaged["lost"], idx)], 60)
+        res = bmfs("repair", mnt.mp, check=False)
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        assert "stripes short: 0" in res.stdout, res.stdout
+        for name, data in files.items():
+            with open(os.path.join(mnt.mp, name), "rb") as f:
+                assert f.read() == data, name
+    res = fsck(mnt.volume, "--full")
+    assert res.returncode == 0, res.stdout
+    now = on_volume(mnt.volume)
+    assert len(now) == 18 and all(intact(f) for f in now)
+
+
+def test_repair_that_cannot_restore_redundancy_exits_1_and_says_why(tmp_path):
+    """A 4+2 volume of 6 devices that lost one: nowhere to rebuild its fragments, so
+    `bmfs repair` exits 1 and says how many stripes are short and why (no device to
+    place on); with a seventh device that is full (a tiny tmpfs), the same with
+    ENOSPC; --json says it in numbers. (It used to say `stripes failed: 0`, exit 0.)"""
+    vol = tmp_path / "vol"
+    mkfs(vol)
+    data = random.Random(6).randbytes(8 * MiB)
+    mp = tmp_path / "mnt"
+    with Mounted(vol, mp):
+        with open(mp / "f", "wb") as f:
+            f.write(data)
+    os.rename(vol / "dev3", vol / "dev3.away")
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    with Mounted(vol, mp):
+        assert (mp / "f").read_bytes() == data
+        res = bmfs("repair", mp, check=False)
+        assert res.returncode == 1, (res.stdout, res.stderr)
+        err = one_line_error(res)
+        assert "2 stripes still short of full redundancy" in err, err
+        assert "2 no device to place on" in err, err
+        report = json.loads(bmfs("repair", mp, "--json", check=False).stdout)
+        assert report["stripes_short"] == 2 and report["fragments_short"] == {"no_device": 2}
+        res = bmfs("scrub", mp, check=False)
+        assert res.returncode == 1 and "no device to place on" in res.stderr, res.stderr
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(tiny)],
+                       check=True)
+        try:
+            bmfs("node", "add", tiny / "dev", "-m", mp)
+            res = bmfs("repair", mp, "--json", check=False)
+            assert res.returncode == 1, (res.stdout, res.stderr)
+            report = json.loads(res.stdout)
+            assert report["stripes_short"] == 2, report
+            assert report["fragments_short"] == {"no_space": 2}, report
+            assert "2 ENOSPC" in res.stderr, res.stderr
+            assert (mp / "f").read_bytes() == data
+        finally:
+            mnt_ok = subprocess.run(["umount", str(mp)], capture_output=True)
+            subprocess.run(["umount", "-l", str(tiny)], capture_output=True)
+            assert mnt_ok.returncode == 0 or not is_mounted(mp)

@@ -55,7 +55,7 @@ def run_op(args, op, **kw) -> int:
     if getattr(args, "json", False):
         print(json.dumps(result, indent=2))
     else:
-        print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in result.items()))
+        print(", ".join(f"{k.replace('_', ' ')}: {_shown(v)}" for k, v in result.items()))
     if not isinstance(result, dict):
         return 0
     left = result.get("fragments_left_on_device")
@@ -63,14 +63,36 @@ def run_op(args, op, **kw) -> int:
         print(f"bmfs: {left} fragments are still on device {kw.get('device')}; "
               f"run it again once the volume's other devices are up", file=sys.stderr)
         return 1
+    if op in ("repair", "scrub") and result.get("stripes_short"):  # not back to full
+        # redundancy (a drain says what it left on its device, above)
+        failed = result.get("stripes_failed")
+        why = _why(result.get("fragments_short") or {})
+        print(f"bmfs: {op}: " + (f"{failed} stripes failed; " if failed else "")
+              + f"{result['stripes_short']} stripes still short of full redundancy "
+              f"(fragments: {why}); run it again once the devices are up, have room, or a "
+              f"device is added", file=sys.stderr)
+        return 1
     failed = result.get("stripes_failed") or result.get("fragments_failed")
-    if failed:  # a repair or rebalance that could not do all it set out to
+    if failed:  # a rebalance that could not do all it set out to
         what = "stripes" if result.get("stripes_failed") else "fragments"
         print(f"bmfs: {op}: {failed} {what} failed (unreadable, or their devices failed; "
               f"the mount log says which); run it again once the devices are up",
               file=sys.stderr)
         return 1
     return 0
+
+
+def _shown(value) -> str:
+    """A report's value as the one-line report shows it (a count by reason: WHY)."""
+    if isinstance(value, dict):
+        return _why(value) or "0"
+    return str(value)
+
+
+def _why(short: dict) -> str:
+    """Fragments left short by reason, in words: "2 no device to place on, 1 ENOSPC"."""
+    from ..vfs.repair import WHY
+    return ", ".join(f"{n} {WHY.get(why, why)}" for why, n in sorted(short.items()))
 
 
 async def _offline(path, op, kw):

@@ -225,6 +225,8 @@ class DataClient:
             if out is not None:
                 return out
         parts = await self._read_degraded(sid, st, avoid)
+        if parts.holes and any(a < end and offset < b for a, b in parts.holes):
+            raise IOFailure(f"stripe {sid}: {parts.why}")
         bs = st.frag_len - LIB_HEADER
         first, last = offset // bs, (end - 1) // bs
         if first == last:
@@ -259,13 +261,13 @@ class DataClient:
             return None
         p0, n = LIB_HEADER + offset - i * bs, end - offset
         try:
-            got = await self._gather(sid, st, avoid,
-                                     lambda j: self._read_range(sid, st, j, p0, n), skip=i,
-                                     fetch_many=lambda js: self._read_ranges(sid, st, js, p0, n))
+            got, chosen = await self._gather(
+                sid, st, avoid, lambda j: self._read_range(sid, st, j, p0, n), skip=i,
+                fetch_many=lambda js: self._read_ranges(sid, st, js, p0, n))
         except IOFailure:
             return None
         # rs_rebuild takes whole fragments: the range behind a stand-in library header
-        survivors = [(j, bytes(LIB_HEADER) + bytes(got[j])) for j in sorted(got)]
+        survivors = [(j, bytes(LIB_HEADER) + bytes(got[j])) for j in chosen]
         (out,) = NATIVE.rs_rebuild(st.k, st.m, n, survivors, [i])
         self.stats["degraded_reads"] += 1
         self.stats["ranges_rebuilt"] += 1
@@ -371,14 +373,22 @@ class DataClient:
 
     async def _read_fragment(self, sid, st, index, copy=True):
         """The whole fragment (pyeclib's header included), verified: bytes, or with
-        ``copy=False`` possibly a view of the reply's buffer."""
+        ``copy=False`` possibly a view of the reply's buffer. CorruptFragment if any
+        block of it is bad."""
+        payload, _, damage = await self._read_blocks(sid, st, index)
+        if damage:
+            raise fr.CorruptFragment(damage)
+        return bytes(payload) if copy and not isinstance(payload, bytes) else payload
+
+    async def _read_blocks(self, sid, st, index) -> tuple:
+        """The whole fragment as ``_read_fragment`` reads it, and the blocks of it that
+        are bad (_WholeRead): (payload, bad block numbers, what is wrong with it or "").
+        Its header must verify."""
         dev = st.devices[index]
         if dev == NO_DEVICE:
             raise _Missing()
-        payload = await self._read_checked(_CheckedRead(
-            self, sid, st, index, dev, fr.geometry(st.frag_version, st.frag_len),
-            0, st.frag_len))
-        return bytes(payload) if copy and not isinstance(payload, bytes) else payload
+        return await self._read_checked(_WholeRead(
+            self, sid, st, index, dev, fr.geometry(st.frag_version, st.frag_len)))
 
     async def _read_checked(self, read: _CheckedRead, deadline=math.inf):
         """The payload bytes ``read`` asks for, with their blocks' checksums verified;
@@ -390,10 +400,11 @@ class DataClient:
             parts = e
         return read.outcome(parts)
 
-    async def _read_degraded(self, sid, st, avoid=()) -> tuple[memoryview, ...]:
+    async def _read_degraded(self, sid, st, avoid=()) -> _Decoded:
         """The stripe decoded from k intact fragments, as the k data fragments' payloads
-        (views, trimmed to the stripe's length). Cached: stripes are immutable, so a
-        decoded stripe stays right until its id is reused, never."""
+        (views, trimmed to the stripe's length), with the ranges it could not decode.
+        Cached if whole: stripes are immutable, so a decoded stripe stays right until
+        its id is reused, never. (One with holes is not: its devices may be back.)"""
         while True:
             cached = self._decoded.hit(sid)
             if cached is not None:
@@ -418,34 +429,57 @@ class DataClient:
         finally:
             del self._decoding[sid]
             mine.done.set()
-        return self._decoded.put(sid, mine.data)
+        return mine.data if mine.data.holes else self._decoded.put(sid, mine.data)
 
-    async def _decode_stripe(self, sid, st, avoid=()) -> tuple[memoryview, ...]:
-        """The stripe from k whole fragments that determine it (_gather)."""
+    async def _decode_stripe(self, sid, st, avoid=()) -> _Decoded:
+        """The stripe from fragments read whole: from k of them that determine it
+        (_gather), or where some blocks of them are bad, block row by block row from
+        k whose block is good (_decode_rows). With k or more fragments readable but
+        some row not determined by them, what the rest determine, and holes where
+        the data fragments' own blocks are bad."""
         self.stats["degraded_reads"] += 1
-        k = st.k
-        got = await self._gather(sid, st, avoid,
-                                 lambda i: self._read_fragment(sid, st, i, copy=False))
-        payloads = {i: memoryview(got[i])[LIB_HEADER:] for i in range(k) if i in got}
-        missing = [i for i in range(k) if i not in got]
-        if missing:  # rebuild just the missing data fragments (a full decode costs 4x)
-            rebuilt = await run_in_thread(codec(st.k, st.m).rebuild_data, got, missing)
-            payloads.update(zip(missing, rebuilt))
+        k, geo = st.k, fr.geometry(st.frag_version, st.frag_len)
+        got, runs = await self._gather(
+            sid, st, avoid, lambda i: self._read_blocks(sid, st, i),
+            plan=lambda have: _row_plan(st.k, st.m, geo, have),
+            last=lambda have: _row_plan(st.k, st.m, geo, have, partial=True))
+        holes, why = [], ""
+        chosen = runs[0][2] if len(runs) == 1 else None
+        if chosen is None or any(got[i][1] for i in chosen):
+            payloads, holes = await run_in_thread(_decode_rows, st, geo, got, runs)
+            why = _row_shortage(st, geo, got) if holes else ""
+        else:
+            got = {i: got[i][0] for i in chosen}  # k whole fragments, one plan
+            payloads = {i: memoryview(got[i])[LIB_HEADER:] for i in range(k) if i in got}
+            missing = [i for i in range(k) if i not in got]
+            if missing:  # rebuild just the missing data fragments (a full decode: 4x)
+                rebuilt = await run_in_thread(codec(st.k, st.m).rebuild_data, got, missing)
+                payloads.update(zip(missing, rebuilt))
         # the code is systematic: the stripe is the data fragments' payloads in order
         bs, left, views = st.frag_len - LIB_HEADER, st.length, []
         for i in range(k):
             views.append(memoryview(payloads[i])[:min(bs, left)])
             left -= len(views[-1])
-        return tuple(views)
+        return _Decoded(views, holes, why)
 
-    async def _gather(self, sid, st, avoid, fetch, skip=None, fetch_many=None) -> dict:
+    async def _gather(self, sid, st, avoid, fetch, skip=None, fetch_many=None,
+                      plan=None, last=None):
         """index -> ``fetch(index)`` for k intact fragments (but ``skip``) that determine
         the stripe: those on devices that are up and not in ``avoid`` first (data
         fragments before parity: the cheapest decode), the others only as replacements
         for failures. k fetched at once: by ``fetch_many(indexes)`` if given (index ->
         result or the exception it failed with; then replacements one at a time),
         else by k tasks; if they do not determine the stripe (see _pick), more one at
-        a time until some k do. IOFailure when no k can."""
+        a time until some k do. IOFailure when no k can.
+
+        Returns (index -> result for every fragment fetched, the plan): ``plan``, a
+        function of those (called with k or more) that says how they determine the
+        stripe, or None if they do not yet (by default the k of them that do, _pick);
+        with every fragment fetched and none found, ``last(fetched)`` if given (k or
+        more fetched) says what to do instead."""
+        if plan is None:
+            def plan(have):
+                return _pick(st.k, st.m, tuple(sorted(have)))
         up, rest = [], []
         for i, dev in enumerate(st.devices):
             if i != skip and dev != NO_DEVICE:
@@ -472,21 +506,35 @@ class DataClient:
             async with trio.open_nursery() as nursery:
                 for _ in range(st.k):
                     nursery.start_soon(fetch_one)
-        while len(got) >= st.k:
-            chosen = _pick(st.k, st.m, tuple(sorted(got)))
-            if chosen is not None:
-                return got if len(chosen) == len(got) else {i: got[i] for i in chosen}
+        while True:
+            found = plan(got) if len(got) >= st.k else None
+            if found is not None:
+                return got, found
             if not await fetch_one():
+                if len(got) < st.k:
+                    raise IOFailure(f"stripe {sid}: only {len(got)} of {st.k + st.m} "
+                                    f"fragments readable, {st.k} needed")
+                if last is not None:
+                    return got, last(got)
                 raise IOFailure(f"stripe {sid}: {len(got)} of {st.k + st.m} fragments "
                                 f"readable but no {st.k} of them determine the data")
-        raise IOFailure(f"stripe {sid}: only {len(got)} of {st.k + st.m} fragments "
-                        f"readable, {st.k} needed")
 
     def _damaged(self, sid, index, why):
         key = "corrupt_fragments" if why.startswith("corrupt") else "missing_fragments"
         self.stats[key] += 1
         log.warning("stripe %d fragment %d %s", sid, index, why)
         self.on_damage(sid, index, why)
+
+
+class _Decoded(tuple):
+    """A decoded stripe: the k data fragments' payloads, trimmed to the stripe's
+    length; ``holes``, the stripe ranges [start, end) it could not decode (no k good
+    copies of their block rows), and ``why``."""
+
+    def __new__(cls, views, holes=(), why=""):
+        self = super().__new__(cls, views)
+        self.holes, self.why = holes, why
+        return self
 
 
 class _Decoding:
@@ -521,19 +569,25 @@ class _CheckedRead:
         self.geo, self.first_block, self.length = geo, first_block, length
         self.frag_len, self.cut = st.frag_len, cut
         at = (geo.data_offset + geo.block_start(first_block), length)
-        self.ranges = [(0, geo.table_end), at] if self.read_table else [at]
+        # the header with the zeros that pad it to the payload (parse_header checks
+        # them: no byte of the file goes unchecked)
+        self.ranges = [(0, geo.data_offset), at] if self.read_table else [at]
 
     def verify(self, parts) -> None:
         """Runs where the data was read (a worker thread, locally)."""
         if self.table is None:
-            fr.parse_header(parts[0], self.sid, self.index, self.frag_len, self.geo.version)
-            table = array.array("I", bytes(parts[0][fr.HEAD_FIXED:self.geo.table_end]))
-            if sys.byteorder != "little":
-                table.byteswap()
-            self.table = table
+            self._take_table(parts[0])
         if len(parts[-1]) != self.length:
             raise fr.CorruptFragment("truncated payload")
         fr.check_blocks(self.table, self.first_block, parts[-1], self.geo.version)
+
+    def _take_table(self, head) -> None:
+        """Check the header read (and its padding) and keep its block table."""
+        fr.parse_header(head, self.sid, self.index, self.frag_len, self.geo.version)
+        table = array.array("I", bytes(head[fr.HEAD_FIXED:self.geo.table_end]))
+        if sys.byteorder != "little":
+            table.byteswap()
+        self.table = table
 
     def outcome(self, parts):
         """The verified payload of a read that returned ``parts``; if it failed
@@ -562,6 +616,127 @@ class _CheckedRead:
         if off == 0 and len(blocks) == n:
             return blocks
         return memoryview(blocks)[off:off + n]
+
+
+class _WholeRead(_CheckedRead):
+    """A whole fragment's read that keeps what verifies: its header must (else
+    CorruptFragment, as any read's), its blocks need not. ``bad`` lists those that do
+    not, a truncated fragment's missing tail among them, so that a decode can take
+    each block row from the fragments whose block is good there (_row_plan). One byte
+    past the payload is asked for too: a fragment longer than its header says is
+    damaged (its bytes past the end are covered by nothing) and reported, though its
+    blocks are used. outcome() returns (payload, bad, what is wrong with it or "")."""
+    __slots__ = ("bad", "longer")
+
+    def __init__(self, client, sid, st, index, dev, geo):
+        super().__init__(client, sid, st, index, dev, geo, 0, st.frag_len + 1)
+        self.bad, self.longer = [], False
+
+    def verify(self, parts) -> None:
+        self._take_table(parts[0])  # (a whole read reads its header)
+        payload = parts[-1]
+        self.longer = len(payload) > self.frag_len
+        self.bad = fr.bad_blocks(self.table, payload, self.frag_len, self.geo.version)
+
+    def outcome(self, parts):
+        payload = super().outcome(parts)
+        damage = ""
+        if self.bad or self.longer:
+            damage = _describe(self.bad, len(payload), self.frag_len)
+            self.client._damaged(self.sid, self.index, "corrupt: " + damage)
+        if len(payload) > self.frag_len:
+            payload = memoryview(payload)[:self.frag_len]
+        return payload, self.bad, damage
+
+
+def _describe(bad: list[int], length: int, payload_length: int) -> str:
+    """What is wrong with a fragment whose blocks ``bad`` are bad and of whose payload
+    (``payload_length`` bytes) ``length`` bytes were read."""
+    out = []
+    if length < payload_length:
+        out.append(f"truncated payload ({length} of {payload_length} bytes)")
+    if bad:
+        shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+        out.append(f"block{'s' if len(bad) > 1 else ''} {shown} bad"
+                   if length < payload_length else
+                   f"block{'s' if len(bad) > 1 else ''} {shown} checksum mismatch")
+    if length > payload_length:
+        out.append("longer than its header says")
+    return "; ".join(out)
+
+
+def _row_plan(k: int, m: int, geo, got: dict, partial: bool = False) -> list | None:
+    """How the fragments ``got`` (index -> (payload, bad blocks)) determine the stripe,
+    block row by block row (the code works byte position by byte position, and
+    fragments are cut into blocks alike): runs ``[start, end, chosen]`` of payload
+    offsets, over the stripe's data (payload offset LIB_HEADER on), each taken from
+    ``chosen``, k fragments whose blocks there are good and that determine them
+    (_pick: the data fragments where they are good: nothing to rebuild). None if
+    some row has no such k, or with ``partial`` a run of that row alone whose
+    ``chosen`` is None."""
+    bad = {i: frozenset(b) for i, (_, b, _) in got.items()}
+    order = sorted(got)
+    runs: list = []
+    for j in range(geo.blocks):
+        start, end = max(geo.block_start(j), LIB_HEADER), geo.block_start(j + 1)
+        if start >= end:
+            continue  # revision 2's block 0: pyeclib's header, no data
+        good = tuple(i for i in order if j not in bad[i])
+        chosen = _pick(k, m, good) if len(good) >= k else None
+        if chosen is None and not partial:
+            return None
+        if runs and chosen is not None and runs[-1][2] == chosen:
+            runs[-1][1] = end
+        else:
+            runs.append([start, end, chosen])
+    return runs
+
+
+def _row_shortage(st, geo, got: dict) -> str:
+    """Why the fragments ``got`` do not determine the stripe (_row_plan found no plan):
+    the first block row that no k good blocks determine."""
+    k, n = st.k, st.k + st.m
+    if not any(bad for _, bad, _ in got.values()):
+        return f"{len(got)} of {n} fragments readable but no {k} of them determine the data"
+    for j in range(geo.blocks):
+        if geo.block_start(j + 1) <= LIB_HEADER:
+            continue
+        good = tuple(i for i in sorted(got) if j not in got[i][1])
+        if len(good) < k:
+            return (f"block {j} intact in only {len(good)} of {n} fragments ({len(got)} "
+                    f"readable), {k} needed")
+        if _pick(k, st.m, good) is None:
+            return (f"block {j} intact in {len(good)} of {n} fragments but no {k} of them "
+                    f"determine the data")
+    return f"{len(got)} of {n} fragments readable"  # (not reached: _row_plan found a plan)
+
+
+def _decode_rows(st, geo, got: dict, runs: list) -> tuple[dict, list]:
+    """The data fragments' payloads (index -> bytes-like, without pyeclib's header)
+    from ``got`` (index -> (payload, bad blocks, _)) run by run of ``runs``
+    (_row_plan): a data fragment's bytes where it is chosen, rebuilt from the run's k
+    where not; in a row no k determine, its own where good. And the holes: the
+    stripe ranges [start, end) of the rest. Runs in a worker thread."""
+    k, n, bs = st.k, st.frag_len, st.frag_len - LIB_HEADER
+    holes = []
+    out = {i: bytearray(n) for i in range(k)}
+    for i in range(k):
+        if i in got:  # (what was read of it: a truncated one is shorter)
+            out[i][:len(got[i][0])] = got[i][0]
+    cd = codec(st.k, st.m)
+    for start, end, chosen in runs:
+        if chosen is None:  # one row
+            j = geo.block_of(start)
+            holes += [(i * bs + start - LIB_HEADER, i * bs + end - LIB_HEADER)
+                      for i in range(k) if i not in got or j in got[i][1]]
+            continue
+        missing = [i for i in range(k) if i not in chosen]
+        if missing:
+            rebuilt = cd.rebuild_range({i: got[i][0] for i in chosen}, missing, start, end,
+                                       st.length)
+            for i, piece in zip(missing, rebuilt):
+                out[i][start:end] = piece
+    return {i: memoryview(b)[LIB_HEADER:] for i, b in out.items()}, holes
 
 
 def _gf_tables():

@@ -83,6 +83,39 @@ class Codec:
         frags = [bytes(f) for _, f in sorted(fragments.items())]  # pyeclib takes bytes only
         return [memoryview(f)[LIB_HEADER:] for f in self._driver.reconstruct(frags, missing)]
 
+    def rebuild_range(self, fragments: dict, missing: list[int], start: int, end: int,
+                      length: int) -> list:
+        """Bytes [start, end) (fragment offsets, ``start`` >= LIB_HEADER) of the data
+        fragments ``missing``, from ``fragments``: index -> fragment (from its start,
+        at least ``end`` bytes), exactly k that determine the stripe of ``length``
+        bytes. Only their bytes in [start, end) are used: elsewhere they may be bad, and
+        so may their liberasurecode headers (pyeclib is given the ones an encode of
+        ``length`` bytes makes). Thread-safe."""
+        chosen = sorted(fragments.items())
+        if self._native is not None:  # rs_rebuild reads the survivors' payloads from
+            # LIB_HEADER on: the range, behind the bytes before it as a stand-in header
+            survivors = [(i, memoryview(f)[start - LIB_HEADER:end]) for i, f in chosen]
+            try:
+                return self._native.rs_rebuild(self.k, self.m, end - start, survivors, missing)
+            except ValueError:
+                pass  # singular: pyeclib says so
+        payload, headers = self._lib_headers(length)
+        frags = [headers[i * LIB_HEADER:(i + 1) * LIB_HEADER]
+                 + bytes(memoryview(f)[LIB_HEADER:]).ljust(payload, b"\0") for i, f in chosen]
+        return [memoryview(f)[start:end] for f in self._driver.reconstruct(frags, missing)]
+
+    def _lib_headers(self, length: int) -> tuple[int, bytes]:
+        """(fragment payload length, the k+m liberasurecode headers) of a stripe of
+        ``length`` bytes."""
+        known = self._headers.get(length)
+        if known is None:
+            frags = self._driver.encode(bytes(length))
+            if len(self._headers) >= HEADER_CACHE:
+                self._headers.clear()
+            known = self._headers[length] = (len(frags[0]) - LIB_HEADER,
+                                             b"".join(f[:LIB_HEADER] for f in frags))
+        return known
+
     def fragment_length(self, data_length: int) -> int:
         info = self._driver.get_segment_info(data_length, max(data_length, 1))
         return info["fragment_size"]

@@ -14,7 +14,7 @@ offset   size  field
 24       4     number of blocks N
 28       4     crc32c of bytes [0, 28) and of the block table
 32       4*N   crc32c of each block of the payload (the first and last may be short)
-32+4N          revision 2: zeros up to the payload offset D
+32+4N          revision 2: zeros up to the payload offset D (checked by readers)
 D        P     payload; revision 1: D = 32+4N
 =======  ====  ============================================================
 
@@ -33,7 +33,9 @@ A stripe record names the revision of its fragments (``Stripe.frag_version``;
 records written before revision 2 say 1). Both are read; new fragments are revision 2.
 
 Per-block checksums let a 4 KiB read verify just the blocks it touches; every read
-checks the header and the blocks it returns. A whole block table is computed by one
+checks the header (with the padding after it: zeros) and the blocks it returns, so
+no byte of the file goes unchecked (a whole read also checks nothing follows the
+payload). A whole block table is computed by one
 call of the C helper when it is built (bmfs/data/native.py), else block by block.
 """
 from __future__ import annotations
@@ -132,7 +134,8 @@ def build_header(sid: int, index: int, k: int, m: int, payload, version: int = V
 def parse_header(buf, sid: int, index: int, payload_length: int,
                  version: int = VERSION) -> tuple[int, ...]:
     """Check a header read from a device (its first ``geometry(...).table_end``
-    bytes at least); return the block checksum table."""
+    bytes at least; what ``buf`` holds of the padding up to ``data_offset`` must be
+    zeros, which readers check by reading it all); return the block checksum table."""
     if len(buf) < HEAD_FIXED:
         raise CorruptFragment("truncated header")
     magic, ver, idx, _k, _m, fsid, plen, bsize, n = _HEAD.unpack_from(buf)
@@ -147,6 +150,10 @@ def parse_header(buf, sid: int, index: int, payload_length: int,
     (hcrc,) = struct.unpack_from("<I", buf, _HEAD.size)
     if crc32c(table, crc32c(bytes(buf[:_HEAD.size]))) != hcrc:
         raise CorruptFragment("header checksum mismatch")
+    geo = geometry(version, plen)
+    pad = bytes(buf[geo.table_end:geo.data_offset])  # (what of it ``buf`` holds)
+    if pad.count(0) != len(pad):
+        raise CorruptFragment("nonzero bytes between the block table and the payload")
     return struct.unpack("<%dI" % n, table)
 
 
@@ -190,6 +197,19 @@ def check_blocks(table, first_block: int, data, version: int = VERSION,
     for j in range(0, len(mv), BLOCK):
         if crc32c(mv[j:j + BLOCK]) != table[first_block + j // BLOCK]:
             raise CorruptFragment(f"block {first_block + j // BLOCK} checksum mismatch")
+
+
+def bad_blocks(table, data, payload_length: int, version: int = VERSION,
+               native=NATIVE) -> list[int]:
+    """The blocks of a payload of ``payload_length`` bytes that ``data`` (what was
+    read of it from its start: shorter if the fragment is truncated) does not hold
+    intact: a checksum mismatch, or missing at the end."""
+    geo = geometry(version, payload_length)
+    mv = memoryview(data)[:payload_length]
+    whole = geo.blocks if len(mv) == payload_length else geo.block_of(len(mv))
+    crcs = struct.unpack("<%dI" % whole, _blocks(mv[:geo.block_start(whole)], geo.lead,
+                                                 native)) if whole else ()
+    return [j for j in range(whole) if crcs[j] != table[j]] + list(range(whole, geo.blocks))
 
 
 def fragment_name(sid: int, index: int) -> str:

@@ -20,11 +20,12 @@ import trio
 
 
 class DeviceError(Exception):
-    """A device could not serve a request; ``dev`` names it."""
+    """A device could not serve a request; ``dev`` names it, ``errno`` says why when
+    the device said (ENOSPC: it is full), else None."""
 
-    def __init__(self, dev: int, message: str):
+    def __init__(self, dev: int, message: str, errno: int | None = None):
         super().__init__(f"device {dev}: {message}")
-        self.dev = dev
+        self.dev, self.errno = dev, errno
 
 
 class TooSlow(Exception):

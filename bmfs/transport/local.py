@@ -79,7 +79,8 @@ class LocalTransport:
         try:
             return await run_in_thread(fn, *args, limiter=self._limiter)
         except OSError as e:
-            raise DeviceError(dev, f"{getattr(method, '__name__', method)} failed: {e}") from e
+            raise DeviceError(dev, f"{getattr(method, '__name__', method)} failed: {e}",
+                              e.errno) from e
 
     def _inline(self, dev, ranges) -> bool:
         if not INLINE or sum(n for _, n in ranges) > INLINE_MAX:

@@ -211,7 +211,8 @@ class TcpTransport:
             raise DeviceError(dev, f"node {node.address}: reply out of order")
         self._answered(node, conn)
         if resp.errno:
-            raise DeviceError(dev, f"node {node.address}: {resp.error or errno.errorcode.get(resp.errno)}")
+            raise DeviceError(dev, f"node {node.address}: {resp.error or errno.errorcode.get(resp.errno)}",
+                              resp.errno)
         return resp, payload
 
     def _broken(self, node: _Node, dev: int, conn, pooled: bool, e: BaseException,

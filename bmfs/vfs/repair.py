@@ -21,6 +21,7 @@
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -86,8 +87,19 @@ def _bad(volume, st: Stripe, queued: set[int], avoid: set[int]) -> list[int]:
     return sorted(out)
 
 
-async def repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: set[int]) -> int:
-    """Rebuild fragments ``bad`` of one stripe; returns how many were moved."""
+# why a fragment stays short after a repair pass (the keys of its report's "short")
+NO_DEVICE_FREE = "no_device"  # no live device in service that holds no other of its stripe
+NO_SPACE = "no_space"  # every device it was tried on is full (ENOSPC)
+DEVICE_DOWN = "device_down"  # every device it was tried on failed or did not answer
+UNREADABLE = "unreadable"  # its stripe could not be read (fewer than k good copies)
+WHY = {NO_DEVICE_FREE: "no device to place on", NO_SPACE: "ENOSPC",
+       DEVICE_DOWN: "device down", UNREADABLE: "stripe unreadable"}
+
+
+async def repair_stripe(volume, sid: int, st: Stripe, bad: list[int],
+                        avoid: set[int]) -> tuple[int, dict[int, str]]:
+    """Rebuild fragments ``bad`` of one stripe; returns how many were moved, and the
+    fragments left short: index -> why (NO_DEVICE_FREE, NO_SPACE, DEVICE_DOWN)."""
     volume.data.uncommitted.add(sid)  # new fragments not in the record yet: not leaks
     try:
         return await _repair_stripe(volume, sid, st, bad, avoid)
@@ -95,44 +107,55 @@ async def repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: set
         volume.data.uncommitted.discard(sid)
 
 
-def _targets(volume, sid: int, st: Stripe, bad: list[int], avoid: set[int]) -> dict[int, int]:
-    """Index -> the live device each bad fragment goes to (one with no other fragment of
-    the stripe, in a new failure domain if possible); indexes with no spare are left out."""
-    devices, out = list(st.devices), {}
-    for i in bad:
-        holding = {d for j, d in enumerate(devices) if j != i}
-        candidates = [d for d in volume.data.devices
-                      if d not in avoid and d not in holding and volume.transport.is_up(d)]
-        if not candidates:
-            log.debug("stripe %d fragment %d: no spare device; stays degraded", sid, i)
-            continue
-        doms = volume.data.domains
-        used = {doms.get(d, d) for d in holding}
-        fresh = [d for d in candidates if doms.get(d, d) not in used]  # a new failure domain
-        pool = fresh or candidates
-        out[i] = devices[i] = pool[(sid + i) % len(pool)]
+def _places(volume, sid: int, i: int, devices: list[int], avoid: set[int]) -> list[int]:
+    """The live devices fragment ``i`` may go to, best first: none holding another
+    fragment of the stripe (``devices``), those in a new failure domain first, each
+    group rotated by the stripe so that rebuilds spread."""
+    holding = {d for j, d in enumerate(devices) if j != i}
+    candidates = [d for d in volume.data.devices
+                  if d not in avoid and d not in holding and volume.transport.is_up(d)]
+    doms = volume.data.domains
+    used = {doms.get(d, d) for d in holding}
+    fresh = [d for d in candidates if doms.get(d, d) not in used]
+    out = []
+    for group in (fresh, [d for d in candidates if d not in fresh]):
+        if group:
+            at = (sid + i) % len(group)
+            out += group[at:] + group[:at]
     return out
 
 
-async def _repair_stripe(volume, sid: int, st: Stripe, bad: list[int], avoid: set[int]) -> int:
-    targets = _targets(volume, sid, st, bad, avoid)
-    if not targets:  # nowhere to put them (nodes down): no read, they stay queued
-        return 0
+async def _repair_stripe(volume, sid: int, st: Stripe, bad: list[int],
+                         avoid: set[int]) -> tuple[int, dict[int, str]]:
+    devices = list(st.devices)
+    if not any(_places(volume, sid, i, devices, avoid) for i in bad):
+        # nowhere to put them (nodes down, too few devices): no read, they stay queued
+        log.debug("stripe %d fragments %s: no spare device; stays degraded", sid, bad)
+        return 0, {i: NO_DEVICE_FREE for i in bad}
     data = await volume.data.read(sid, st, 0, st.length)
     frags = await trio.to_thread.run_sync(codec(st.k, st.m).encode, data)
     if len(frags[0]) != st.frag_len:
         raise IOFailure(f"stripe {sid}: re-encoding gave another fragment size")
-    devices = list(st.devices)
     moved: dict[int, int] = {}  # index -> the device it was moved from
-    for i, target in targets.items():
+    short: dict[int, str] = {}
+    failed: set[int] = set()  # devices a write of this stripe failed on
+    for i in bad:
         head = fr.build_header(sid, i, st.k, st.m, frags[i], st.frag_version)
-        try:
-            await volume.transport.put(target, fr.fragment_name(sid, i), [head, frags[i]])
-        except DeviceError as e:
-            log.warning("stripe %d fragment %d: %s", sid, i, e)
-            continue
-        moved[i], devices[i] = devices[i], target
-    return await _commit_moves(volume, sid, moved, devices)
+        why = NO_DEVICE_FREE
+        # a device that fails (full, say) is not the end: the next one is tried
+        for target in _places(volume, sid, i, devices, avoid | failed):
+            try:
+                await volume.transport.put(target, fr.fragment_name(sid, i), [head, frags[i]])
+            except DeviceError as e:
+                log.warning("stripe %d fragment %d: %s", sid, i, e)
+                failed.add(target)
+                why = NO_SPACE if e.errno == errno.ENOSPC else DEVICE_DOWN
+                continue
+            moved[i], devices[i] = devices[i], target
+            break
+        else:
+            short[i] = why
+    return await _commit_moves(volume, sid, moved, devices), short
 
 
 async def _commit_moves(volume, sid: int, moved: dict[int, int], devices: list[int]) -> int:
@@ -234,7 +257,10 @@ async def _repair(volume, avoid: set[int], progress, pace) -> dict:
                 txn.delete(keys.damage(sid, i))
         await volume.kv.commit(txn)
     moved = failed = intact = 0
+    short: dict[str, int] = {}  # why -> fragments left short
+    short_stripes = 0
     for n, (sid, st, bad) in enumerate(todo, 1):
+        left: dict[int, str] = {}
         try:
             raw = await volume.kv.get(keys.stripe(sid))
             if raw is not None:  # else freed meanwhile
@@ -243,10 +269,16 @@ async def _repair(volume, avoid: set[int], progress, pace) -> dict:
                 intact += len(fine)
                 rest = [i for i in bad if i not in fine]
                 if rest:
-                    moved += await repair_stripe(volume, sid, st, rest, avoid)
+                    done, left = await repair_stripe(volume, sid, st, rest, avoid)
+                    moved += done
         except (IOFailure, DeviceError) as e:
             failed += 1
+            left = {i: UNREADABLE for i in bad}
             log.warning("repair of stripe %d failed: %s", sid, e)
+        if left:
+            short_stripes += 1
+            for why in left.values():
+                short[why] = short.get(why, 0) + 1
         # what it may have cost, failed or not: each queued fragment read whole (found
         # intact) or written (rebuilt), and k fragments read to rebuild
         await pace.spent(st.frag_len * (st.k + len(bad)))
@@ -259,7 +291,10 @@ async def _repair(volume, avoid: set[int], progress, pace) -> dict:
         from .gc import sweep_leaked
         swept = await sweep_leaked(volume)
     return {"stripes": len(todo), "fragments_rebuilt": moved, "stripes_failed": failed,
-            "fragments_intact_again": intact, "stale_fragments_deleted": swept}
+            "fragments_intact_again": intact, "stale_fragments_deleted": swept,
+            # stripes still short of full redundancy after this pass, and why: fragments
+            # by reason (WHY)
+            "stripes_short": short_stripes, "fragments_short": short}
 
 
 async def _intact_again(volume, sid: int, st: Stripe, bad: list[int], avoid: set[int]) -> set[int]:
@@ -400,7 +435,8 @@ async def drain(volume, device: int, remove: bool = False, progress=None,
         await trio.sleep(OTHER_MOUNTS_SETTLE)
         again = await repair(volume, avoid={device}, progress=progress, limit=limit)
         result["fragments_rebuilt"] += again["fragments_rebuilt"]
-        result["stripes_failed"] = again["stripes_failed"]
+        for key in ("stripes_failed", "stripes_short", "fragments_short"):
+            result[key] = again[key]
     left = sum(st.devices.count(device) for _, st in [x async for x in _stripes(volume)])
     if remove and left == 0:
         await set_device(volume, device, removed=True)

@@ -124,3 +124,97 @@ def test_a_sync_waits_for_the_sync_already_running(spec, monkeypatch):
     first.join(10)
     second.join(10)
     assert second_done.is_set()
+
+
+# -- nothing written through a link or into a file the store did not make -----------------
+@pytest.fixture
+def precious(tmp_path):
+    """A root-owned 0600 file a planted link points at: (path, its bytes, its mtime)."""
+    p = tmp_path / "precious"
+    p.write_bytes(b"not a fragment\n")
+    os.chmod(p, 0o600)
+    return p, p.read_bytes(), os.stat(p).st_mtime_ns
+
+
+def _unchanged(precious) -> bool:
+    p, data, mtime = precious
+    return p.read_bytes() == data and os.stat(p).st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("size", [1000, 1 << 20])  # buffered, and O_DIRECT where it works
+def test_file_store_writes_through_no_link(tmp_path, precious, size):
+    from bmfs.store.file import UnexpectedEntry
+    s = make((str(tmp_path / "dev"), "files"))
+    frags = tmp_path / "dev" / "frags"
+    name = "00000000000000a1.2"
+    os.symlink(precious[0], frags / "a1" / name)
+    hard = "00000000000000a2.0"
+    os.link(precious[0], frags / "a2" / hard)  # another name of a file: not ours alone
+    os.mkdir(frags / "a3" / "00000000000000a3.1")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    os.rmdir(frags / "a4")
+    os.symlink(other, frags / "a4")  # the fan-out folder itself a link
+    data = os.urandom(size)
+    for n in (name, hard, "00000000000000a3.1", "00000000000000a4.0"):
+        with pytest.raises(UnexpectedEntry):
+            s.write(n, [data])
+    assert _unchanged(precious) and os.path.islink(frags / "a1" / name)
+    assert os.listdir(other) == [] and (frags / "a3" / "00000000000000a3.1").is_dir()
+    assert s.unexpected == 4 and s.usage()["unexpected_entries"] == 4
+    with pytest.raises(OSError):  # a read does not follow it either (ELOOP)
+        s.read_parts(name, [(0, 10)])
+    s.delete(name)  # removes the link, never what it names
+    assert _unchanged(precious) and not os.path.lexists(frags / "a1" / name)
+    s.write(name, [data])  # and the fragment goes where the link was
+    assert s.read_parts(name, [(0, size)]) == [data]
+    assert os.stat(frags / "a1" / name).st_mode & 0o777 == 0o600
+
+
+def test_file_store_rewrites_its_own_fragment_afresh(tmp_path):
+    s = make((str(tmp_path / "dev"), "files"))
+    name = "00000000000000b1.0"
+    s.write(name, [b"first"])
+    path = tmp_path / "dev" / "frags" / "b1" / name
+    ino = os.stat(path).st_ino
+    with open(path, "rb") as keep:  # a reader of the old copy keeps the old bytes
+        s.write(name, [b"second"])
+        assert keep.read() == b"first"
+    assert s.read_parts(name, [(0, 10)]) == [b"second"] and os.stat(path).st_ino != ino
+    assert s.unexpected == 0
+
+
+def test_formats_refuse_planted_links(tmp_path, precious):
+    dev = tmp_path / "pooldev"
+    dev.mkdir()
+    os.symlink(precious[0], dev / "index")
+    with pytest.raises(VolumeError, match="is there already"):
+        format_store(str(dev), "vol-uuid", 1, "pool")
+    os.symlink(precious[0], tmp_path / "pmemfile")
+    with pytest.raises(VolumeError, match="symbolic link"):
+        from bmfs.store.pmem import format_if_new
+        format_if_new(f"pmem:{tmp_path}/pmemfile:8", "vol-uuid", 2)
+    with pytest.raises(VolumeError, match="not a file bmfs may use"):
+        format_store(f"pmem:{tmp_path}/pmemfile:8", "vol-uuid", 2)
+    with pytest.raises(VolumeError, match="holds other data"):
+        format_store(f"pmem:{precious[0]}:8", "vol-uuid", 2)
+    assert _unchanged(precious)
+
+
+def test_new_devices_are_private_whatever_the_umask(tmp_path, spec):
+    old = os.umask(0)
+    try:
+        s = make(spec)
+        s.write("00000000000000c1.0", [b"x" * 5000])
+    finally:
+        os.umask(old)
+    path = _path(spec)
+    if path.startswith("pmem:"):
+        assert os.stat(path[5:].partition(":")[0]).st_mode & 0o777 == 0o600
+        return
+    assert os.stat(path).st_mode & 0o777 == 0o700
+    for dp, dns, fns in os.walk(path):
+        for n in dns:
+            assert os.stat(os.path.join(dp, n)).st_mode & 0o777 == 0o700, n
+        for n in fns:
+            assert os.stat(os.path.join(dp, n)).st_mode & 0o777 == 0o600, n

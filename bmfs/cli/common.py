@@ -63,7 +63,10 @@ def control(mountpoint: str, op: str, **args):
     except OSError as e:
         raise UserError(f"cannot reach the control file of {mountpoint}: {e.strerror}")
     try:
-        os.write(fd, json.dumps({"op": op, **args}).encode())
+        try:
+            os.write(fd, json.dumps({"op": op, **args}).encode())
+        except PermissionError:
+            pass  # refused: the reply says by whom it may be sent
         chunks = []
         off = 0
         while True:
@@ -74,7 +77,10 @@ def control(mountpoint: str, op: str, **args):
             off += len(b)
     finally:
         os.close(fd)
-    reply = json.loads(b"".join(chunks))
+    try:
+        reply = json.loads(b"".join(chunks))
+    except ValueError:
+        raise UserError(f"the control file of {mountpoint} gave no answer to {op}")
     if not reply["ok"]:
         raise UserError(reply["error"])
     return reply["result"]

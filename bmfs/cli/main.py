@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from ..errors import FsError, VolumeError
 
-COMMANDS = ["mkfs", "mount", "fsck", "status", "branch", "repair", "node", "cluster", "cat", "type_"]
+COMMANDS = ["mkfs", "mount", "fsck", "status", "branch", "repair", "node", "cluster", "cat", "type_", "admin"]
 
 
 class UserError(Exception):
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from ..proc import tune_malloc
     tune_malloc()  # this is a bmfs process (a command or a daemon), not an importer's
+    # what bmfs makes (volume, metadata, logs, pid files, devices, fragments) is for
+    # root or the volume's owner alone, whatever umask it was started with
+    os.umask(0o077)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,

@@ -20,6 +20,9 @@ def add_parser(sub):
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="how a device directory keeps fragments: pool files (pool) or a "
                         "file per fragment (files); default: %s" % DEFAULT_LAYOUT)
+    p.add_argument("--admin-group", metavar="GROUP",
+                   help="a group whose members may manage branches and snapshots "
+                        "(default: root alone; bmfs admin-group changes it)")
     p.set_defaults(func=run)
 
 
@@ -62,7 +65,8 @@ def run(args) -> int:
     if args.fragment_size < 4096 or args.fragment_size % 4096:
         raise ValueError("--fragment-size must be a multiple of 4096")
     s = run_trio(lambda: mkfs(args.volume, k, m, args.device or None, args.meta,
-                              args.fragment_size, layout=args.layout, on_nodes=args.on_nodes))
+                              args.fragment_size, layout=args.layout, on_nodes=args.on_nodes,
+                              admin_group=args.admin_group))
     print(f"created volume {args.volume} ({s.k}+{s.m}, uuid {s.uuid})")
     if args.on_nodes:
         vol = os.path.abspath(args.volume)

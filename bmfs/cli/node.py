@@ -107,6 +107,7 @@ def run_serve(args) -> int:
     devices = _devices(args, formatted=not args.format)
     if args.format:
         _format_new(devices, args.volume_uuid, args.layout)
+    _tighten(devices)
     delay = 0.0
     if args.fault:
         key, _, val = args.fault.partition("=")
@@ -174,6 +175,23 @@ def _format_new(devices: dict[int, str], uuid: str, layout: str) -> list:
         except (VolumeError, OSError) as e:
             raise UserError(f"cannot format {path}: {e}")
     return out
+
+
+def _tighten(devices: dict[int, str]) -> None:
+    """Devices formatted by an older bmfs left their folders readable: closed now."""
+    import logging
+    from ..store.pmem import tighten_device
+    changed: list[str] = []
+    for path in devices.values():
+        try:
+            tighten_device(path, changed)
+        except OSError as e:
+            logging.getLogger(__name__).warning("%s: permissions not tightened: %s", path, e)
+    if changed:
+        logging.getLogger(__name__).warning(
+            "tightened permissions of %d paths other users could reach (directories now "
+            "0700, files 0600): %s%s", len(changed), ", ".join(changed[:8]),
+            " ..." if len(changed) > 8 else "")
 
 
 def run_drain(args) -> int:

@@ -17,6 +17,7 @@ import pyfuse3
 import trio
 
 from ..errors import FsError
+from ..vfs.control import Caller
 from ..vfs.fs import Attr
 from ..vfs.views import CTL_FILE, VIEW_SHIFT
 from .idle import IdleSpin
@@ -305,9 +306,11 @@ class Operations(pyfuse3.Operations):
 
     @translate
     async def open(self, inode, flags, ctx):
-        fh = await self.fs.open(inode, self._kernel_flags(flags))
-        if inode == CTL_FILE:
+        if inode == CTL_FILE:  # its requests are checked against who opened it
+            await self.fs.control.load_group()
+            fh = self.fs.control.open(Caller.of_process(ctx.uid, ctx.gid, ctx.pid))
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
+        fh = await self.fs.open(inode, self._kernel_flags(flags))
         stale = self.fs.files.client_stale(fh)  # changed by another mount (close-to-open)
         try:
             if await self.notifier.opened(inode, stale,

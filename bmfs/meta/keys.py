@@ -10,7 +10,8 @@ hides older layers' versions.
 key                                    value
 =====================================  ===============================================
 v/settings                             JSON volume settings: format revision, uuid,
-                                       k, m, fragment size, inline limit
+                                       k, m, fragment size, inline limit, admin
+                                       group (optional: who manages branches)
 v/ctr/<name>                           next free number (ino, stripe, layer) in decimal
 v/dev/<dev:04x>                        JSON device record: path, uuid, node
 y/<layer:08x>                          JSON layer record: parent layer, frozen flag

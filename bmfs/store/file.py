@@ -6,6 +6,11 @@ written in place: it is referenced only once the transaction recording its strip
 commits, and a torn one fails its checksums. ``sync()`` makes every fragment written
 since the last sync durable: fsync of each file and directory, or one syncfs(2) when
 there are many.
+
+Nothing is written through a link or into a file the store did not make (see
+``create_fragment``): fragments are created afresh (``O_CREAT|O_EXCL|O_NOFOLLOW``)
+under the ``frags`` directory opened once, each fan-out folder opened without
+following a link. Directories are made 0700 and files 0600, whatever the umask.
 """
 from __future__ import annotations
 
@@ -14,12 +19,15 @@ import ctypes
 import errno
 import fcntl
 import json
+import logging
 import mmap
 import os
+import stat
 import threading
 
 from ..errors import VolumeError
 
+log = logging.getLogger(__name__)
 _libc = ctypes.CDLL(None, use_errno=True)
 SYNCFS_THRESHOLD = 32
 DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in these units
@@ -84,6 +92,75 @@ def direct_pages(buf):
             page.release()
 
 
+_NEW = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UnexpectedEntry(OSError):
+    """Something the store did not make is where it would create a file: a link, a
+    directory, another's file. It is left as it is; nothing is written through it."""
+
+
+def unexpected(store, where: str, st: os.stat_result | None = None) -> UnexpectedEntry:
+    """Log and count (``store.unexpected``) an entry found where a new file goes; the
+    error to raise."""
+    store.unexpected += 1
+    what = "an entry" if st is None else "a link" if stat.S_ISLNK(st.st_mode) else \
+        "a directory" if stat.S_ISDIR(st.st_mode) else \
+        f"a file of uid {st.st_uid}" if st.st_uid != os.geteuid() else \
+        f"a file with {st.st_nlink} links" if stat.S_ISREG(st.st_mode) else "a special file"
+    msg = f"device {store.dev}: {where} is {what}, not made by bmfs: left alone, not written"
+    log.warning("%s", msg)
+    return UnexpectedEntry(errno.EEXIST, msg)
+
+
+def create_new(store, dir_fd: int, name: str, flags: int = os.O_WRONLY, where: str = "") -> int:
+    """A descriptor of a new file ``name`` (mode 0600) in directory ``dir_fd``, created
+    with O_EXCL and O_NOFOLLOW: never a file that was there, never through a link. A
+    regular file of ours already there (a PUT written again after a lost answer, a
+    rewrite) is unlinked and made afresh; anything else (a link, a directory, a file
+    of another user or with other hard links) is left as it is.
+
+    Raises:
+        UnexpectedEntry: the latter (logged and counted, see ``unexpected``).
+    """
+    try:
+        return os.open(name, flags | _NEW, 0o600, dir_fd=dir_fd)
+    except FileExistsError:
+        pass
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        raise unexpected(store, where or name, st)
+    os.unlink(name, dir_fd=dir_fd)
+    try:
+        return os.open(name, flags | _NEW, 0o600, dir_fd=dir_fd)
+    except FileExistsError:  # made again in between: not by us
+        raise unexpected(store, where or name)
+
+
+def write_new_file(dir_fd: int, name: str, data: bytes) -> None:
+    """Write a file that must not exist yet (a device's marker, a pool file) in
+    directory ``dir_fd``, 0600, and fsync it. FileExistsError if anything is there."""
+    fd = os.open(name, os.O_WRONLY | _NEW, 0o600, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while len(view):
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_private_dir(path: str) -> None:
+    """``path`` and missing parents made; ``path`` itself mode 0700 (whatever the umask,
+    and if it was there already: it is bmfs's)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if stat.S_ISLNK(os.lstat(path).st_mode):
+        raise VolumeError(f"{path} is a symbolic link, not a directory")
+    os.chmod(path, 0o700)
+
+
 def check_marker(path: str, volume_uuid: str, dev: int, fmt: int) -> dict:
     """The device directory's DEVICE marker, checked: it must exist, name this volume
     and device, and be of format ``fmt``; VolumeError (one line) otherwise."""
@@ -112,19 +189,43 @@ class FileStore:
         self.drop_behind = False  # see DROP_BEHIND
         self._frags = os.path.join(path, "frags", "")
         self.volume_uuid = volume_uuid
+        self.unexpected = 0  # entries found where a new fragment goes (see unexpected)
+        self._frags_fd = None
         check_marker(path, volume_uuid, dev, 1)
+        try:  # opened once: new fragments are made relative to it
+            self._frags_fd = os.open(os.path.join(path, "frags"), _DIR)
+        except OSError as e:
+            raise VolumeError(f"device {dev} at {path}: no fragment directory: {e}")
 
     @staticmethod
     def format(path: str, volume_uuid: str, dev: int) -> None:
-        for i in range(256):  # all fan-out directories now, not one makedirs per write
-            os.makedirs(os.path.join(path, "frags", "%02x" % i), exist_ok=True)
         marker = os.path.join(path, "DEVICE")
-        if os.path.exists(marker):
+        if os.path.lexists(marker):
             raise VolumeError(f"{path} already belongs to a bmfs volume")
-        with open(marker, "w") as f:
-            json.dump({"volume": volume_uuid, "device": dev, "format": 1}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        make_private_dir(path)
+        for i in range(256):  # all fan-out directories now, not one makedirs per write
+            make_private_dir(os.path.join(path, "frags", "%02x" % i))
+        make_private_dir(os.path.join(path, "frags"))
+        fd = os.open(path, _DIR)
+        try:
+            write_new_file(fd, "DEVICE", json.dumps(
+                {"volume": volume_uuid, "device": dev, "format": 1}).encode())
+        except FileExistsError:
+            raise VolumeError(f"{path} already belongs to a bmfs volume")
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self._frags_fd is not None:
+            os.close(self._frags_fd)
+            self._frags_fd = None
+
+    def __del__(self):
+        if getattr(self, "_frags_fd", None) is not None:
+            try:
+                self.close()
+            except OSError:
+                pass
 
     @property
     def fragment_dir(self) -> str:
@@ -136,21 +237,44 @@ class FileStore:
         sid_hex = name.split(".", 1)[0]  # (os.path.join took ~1 us a read, ~5 cold)
         return f"{self._frags}{sid_hex[-2:]}/{name}"
 
+    def _create(self, name: str, flags: int = os.O_WRONLY) -> int:
+        """A descriptor of fragment ``name`` made afresh (create_new) in its fan-out
+        folder, which is opened (made, 0700, if missing) without following a link.
+
+        Raises:
+            UnexpectedEntry: a link, a directory or a foreign file at the fragment's
+                path or as its folder (left alone, logged and counted).
+        """
+        sub = name.split(".", 1)[0][-2:]
+        try:
+            sfd = os.open(sub, _DIR, dir_fd=self._frags_fd)
+        except FileNotFoundError:
+            try:
+                os.mkdir(sub, 0o700, dir_fd=self._frags_fd)
+            except FileExistsError:
+                pass
+            sfd = os.open(sub, _DIR, dir_fd=self._frags_fd)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            raise unexpected(self, f"frags/{sub}",
+                             os.stat(sub, dir_fd=self._frags_fd, follow_symlinks=False))
+        try:
+            return create_new(self, sfd, name, flags, where=f"frags/{sub}/{name}")
+        finally:
+            os.close(sfd)
+
     def write(self, name: str, parts) -> None:
         # Written in place, not to a temporary name and renamed: a fragment is not
         # referenced until the transaction recording its stripe commits after this, and
         # a torn fragment fails its header or block checksums (and is swept or repaired).
         total = sum(len(p) for p in parts)
         path = self._file(name)
-        if self._direct and total >= DIRECT_MIN and self._write_padded(path, parts, total):
+        if self._direct and total >= DIRECT_MIN and self._write_padded(name, parts, total):
             with self._lock:
                 self._pending.add(path)
             return
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = self._create(name)
         try:
             n = os.writev(fd, parts)
             if n != total:  # short write: finish it
@@ -160,29 +284,25 @@ class FileStore:
         with self._lock:
             self._pending.add(path)
 
-    def _open_direct(self, path: str) -> int | None:
-        """``path`` created or truncated for O_DIRECT writes; None if the filesystem
-        refuses O_DIRECT (tmpfs): then ``_direct`` is cleared and writes go buffered."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT
+    def _open_direct(self, name: str) -> int | None:
+        """Fragment ``name`` created afresh (``_create``) for O_DIRECT writes; None if
+        the filesystem refuses O_DIRECT (tmpfs): then ``_direct`` is cleared and writes
+        go buffered."""
         try:
-            try:
-                return os.open(path, flags, 0o600)
-            except FileNotFoundError:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                return os.open(path, flags, 0o600)
+            return self._create(name, os.O_WRONLY | os.O_DIRECT)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             self._direct = False
             return None
 
-    def _write_padded(self, path: str, parts, total: int) -> bool:
+    def _write_padded(self, name: str, parts, total: int) -> bool:
         """A large fragment gathered (``gathered``) and written with O_DIRECT
         (_write_direct). False (nothing written) where the filesystem refuses O_DIRECT."""
         with gathered(parts, total) as page:
-            return self._write_direct(path, [page], total)
+            return self._write_direct(name, [page], total)
 
-    def _write_direct(self, path: str, pages, total: int) -> bool:
+    def _write_direct(self, name: str, pages, total: int) -> bool:
         """Write ``pages`` (page-aligned buffers of whole pages, in order, the last one
         zero-padded) with O_DIRECT, then cut the file to ``total`` bytes. All of it
         direct: a tail written through the page cache would be allocated later,
@@ -190,7 +310,7 @@ class FileStore:
         (reads were ~20% slower that way). False (nothing written) where the filesystem
         refuses O_DIRECT; from then on writes are buffered. A device that refuses the
         alignment of a write gets the rest through the page cache."""
-        fd = self._open_direct(path)
+        fd = self._open_direct(name)
         if fd is None:
             return False
         try:
@@ -222,13 +342,13 @@ class FileStore:
         refused."""
         path = self._file(name)
         with direct_pages(buf) as pages:
-            if not self._write_direct(path, pages, len(buf)):
+            if not self._write_direct(name, pages, len(buf)):
                 return self.write(name, [buf])
         with self._lock:
             self._pending.add(path)
 
     def read(self, name: str, offset: int, length: int) -> bytes:
-        fd = os.open(self._file(name), os.O_RDONLY)
+        fd = os.open(self._file(name), _READ)
         try:
             return os.pread(fd, length, offset)
         finally:
@@ -238,7 +358,7 @@ class FileStore:
         """``(fd, offset, length, release)`` of the fragment, for a storage node to
         send large reads from with sendfile: a read-only descriptor of its file, 0,
         the file's size, and ``release()`` (closes the descriptor) to call when done."""
-        fd = os.open(self._file(name), os.O_RDONLY)
+        fd = os.open(self._file(name), _READ)
         try:
             return fd, 0, os.fstat(fd).st_size, lambda: os.close(fd)
         except BaseException:
@@ -246,7 +366,7 @@ class FileStore:
             raise
 
     def read_parts(self, name: str, ranges) -> list[bytes]:
-        fd = os.open(self._file(name), os.O_RDONLY)
+        fd = os.open(self._file(name), _READ)
         try:
             out = [os.pread(fd, length, offset) for offset, length in ranges]
             if self.drop_behind and sum(n for _, n in ranges) >= DROP_BEHIND:
@@ -260,7 +380,7 @@ class FileStore:
             os.close(fd)
 
     def delete(self, name: str) -> None:
-        try:
+        try:  # (unlink removes a link itself, never what it names)
             os.unlink(self._file(name))
         except FileNotFoundError:
             pass
@@ -306,7 +426,7 @@ class FileStore:
         dirs = set()
         for path in pending:
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, _READ)
             except FileNotFoundError:
                 continue  # deleted since
             try:
@@ -342,7 +462,7 @@ class FileStore:
     def usage(self) -> dict:
         st = os.statvfs(self.path)
         return {"total": st.f_blocks * st.f_frsize, "free": st.f_bavail * st.f_frsize,
-                "fsid": os.stat(self.path).st_dev}
+                "fsid": os.stat(self.path).st_dev, "unexpected_entries": self.unexpected}
 
     def check(self) -> None:
         """Raise VolumeError if the device directory vanished or was replaced."""

@@ -32,6 +32,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import stat
 import struct
 import threading
 
@@ -90,9 +91,13 @@ class PmemStore:
     def __init__(self, path: str, volume_uuid: str, dev: int):
         self.path, self.dev = path, dev
         self._lock = threading.Lock()
-        if not os.path.exists(path):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
             raise VolumeError(f"device {dev} at {path} is missing (no pool file)")
-        size = os.path.getsize(path)
+        if not stat.S_ISREG(st.st_mode):  # (a link is not followed: see format)
+            raise VolumeError(f"device {dev} at {path} is not a regular file")
+        size = st.st_size
         self._map = None
         lib = _libpmem()
         if lib is not None:
@@ -107,7 +112,7 @@ class PmemStore:
             self._flush = lambda off, n: persist(addr + off, n)
             self.mapping = "libpmem (persistent memory)" if is_pmem.value else "libpmem (msync)"
         else:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 self._map = mmap.mmap(fd, size)
             finally:
@@ -118,16 +123,14 @@ class PmemStore:
 
     @staticmethod
     def format(path: str, volume_uuid: str, dev: int, size: int = DEFAULT_SIZE) -> None:
-        if os.path.exists(path) and os.path.getsize(path) >= len(MAGIC):
-            with open(path, "rb") as f:
-                if f.read(len(MAGIC)) == MAGIC:
-                    raise VolumeError(f"{path} already belongs to a bmfs volume")
+        """Make a pool file at ``path``: a new one (never through a link), or an empty
+        regular file of ours already there; anything else is refused."""
         slots = max(1024, size // (256 << 10))  # one slot per 256 KiB of pool
         data_start = (ALIGN + slots * SLOT_SIZE + ALIGN - 1) // ALIGN * ALIGN
         if size < data_start + (1 << 20):
             raise VolumeError(f"pmem pool {path}: {size} bytes is too small")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _new_pool_file(path)
         try:
             os.posix_fallocate(fd, 0, size)
             head = SUPER.pack(MAGIC, REVISION, dev, size, slots, data_start,
@@ -248,6 +251,28 @@ class PmemStore:
             raise VolumeError(f"device {self.dev} at {self.path} is missing")
 
 
+def _new_pool_file(path: str) -> int:
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:  # ELOOP: a link
+        raise VolumeError(f"{path} is there already and is not a file bmfs may use "
+                          f"({e.strerror})") from None
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_size == 0 and st.st_uid == os.geteuid():
+        return fd
+    head = os.pread(fd, len(MAGIC), 0)
+    os.close(fd)
+    if head == MAGIC:
+        raise VolumeError(f"{path} already belongs to a bmfs volume")
+    raise VolumeError(f"{path} is there already and holds other data (a new pmem pool is "
+                      f"a new or empty file)")
+
+
 def _round(n: int) -> int:
     return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)
 
@@ -338,10 +363,67 @@ def lock_device(path: str, wait: float = 5.0) -> int:
         raise
 
 
+def check_device_path(path: str) -> None:
+    """VolumeError (one line) unless ``path`` may become a device: a directory (or, for
+    ``pmem:FILE``, a file) that is not a symbolic link, not the directory of a bmfs
+    volume, and not inside a bmfs mount (the mount would store its fragments in
+    itself). What is not there yet is checked where it would be made."""
+    file = path[5:].partition(":")[0] if path.startswith("pmem:") else None
+    target = os.path.abspath(file or path)
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            raise VolumeError(f"{target} is a symbolic link: give the path it names "
+                              f"({os.path.realpath(target)})")
+        if file is None and not stat.S_ISDIR(st.st_mode):
+            raise VolumeError(f"{target} is not a directory (a device is a directory, or "
+                              f"pmem:FILE for a pool file)")
+        if file is not None and not stat.S_ISREG(st.st_mode):
+            raise VolumeError(f"{target} is not a regular file (a pmem pool is a file)")
+        if file is None and os.path.lexists(os.path.join(target, "volume.json")):
+            raise VolumeError(f"{target} is the directory of a bmfs volume: a device "
+                              f"needs a directory of its own")
+    mount = _bmfs_mount_holding(target)
+    if mount is not None:
+        raise VolumeError(f"{target} is inside the bmfs mount {mount}: a device must be "
+                          f"on a local filesystem")
+
+
+def _bmfs_mount_holding(path: str) -> str | None:
+    """The bmfs mount point whose filesystem holds ``path`` (or its nearest existing
+    parent), by device number against /proc/self/mountinfo; None if none does."""
+    probe = path
+    while True:
+        try:
+            st = os.stat(probe)
+            break
+        except OSError:
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                return None
+            probe = parent
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                if right.split()[:1] == ["fuse.bmfs"] and fields[2] == dev:
+                    return fields[4].replace("\\040", " ")
+    except OSError:
+        pass
+    return None
+
+
 def format_if_new(path: str, volume_uuid: str, dev: int, layout: str = "files") -> bool:
     """Format ``path`` (format_store) if it is a new or empty directory, or a pmem pool
     file not made yet; False if it is formatted already (opening it checks whose it
-    is). VolumeError for a directory holding other files: they are not ours."""
+    is). VolumeError for a directory holding other files: they are not ours; and for
+    a path check_device_path refuses."""
+    check_device_path(path)
     if path.startswith("pmem:"):
         if os.path.exists(path[5:].partition(":")[0]):
             return False
@@ -352,6 +434,44 @@ def format_if_new(path: str, volume_uuid: str, dev: int, layout: str = "files") 
                           f"an empty or new directory)")
     format_store(path, volume_uuid, dev, layout)
     return True
+
+
+def make_private(path: str, mode: int, changed: list[str]) -> None:
+    """Take group and other bits off ``path`` (to ``mode``: 0700 or 0600) if it has
+    any; a link or a missing path is left alone. What changed is added to
+    ``changed``."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
+        return
+    os.chmod(path, mode)
+    changed.append(path)
+
+
+def tighten_device(path: str, changed: list[str]) -> None:
+    """Make a device private: its directory and fragment folders 0700, its own files
+    (marker, pool files) 0600; or a pmem pool file 0600. Fragment files are not
+    visited (millions, perhaps): the folders above them keep everyone else out."""
+    if path.startswith("pmem:"):
+        make_private(path[5:].partition(":")[0], 0o600, changed)
+        return
+    if not os.path.isdir(path) or os.path.islink(path):
+        return
+    make_private(path, 0o700, changed)
+    for name in ("DEVICE", "index", "pool", "parity"):
+        make_private(os.path.join(path, name), 0o600, changed)
+    make_private_folder(os.path.join(path, "frags"), 0o700, changed)
+
+
+def make_private_folder(path: str, inner: int, changed: list[str]) -> None:
+    """``make_private`` for directory ``path`` (0700) and each entry in it (``inner``);
+    nothing if it is missing or a link."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        make_private(path, 0o700, changed)
+        for name in os.listdir(path):
+            make_private(os.path.join(path, name), inner, changed)
 
 
 def layout_of(path: str) -> str:

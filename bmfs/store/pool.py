@@ -57,6 +57,7 @@ GROW = 256 << 20  # the pool file is extended this much at a time
 FORMAT = 2
 SPACE_SHIFT = 62  # a slot's offset: the space (0 data, 1 parity) above this bit
 SPACES = ("pool", "parity")  # their files
+_NOLINK = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _round(n: int) -> int:
@@ -68,17 +69,19 @@ class _Space:
     neighbours; a hole reaching ``end`` moves it down), nothing allocated past ``end``,
     the file ``size`` bytes long. Called with the store's lock held."""
 
-    def __init__(self, store, number: int, path: str):
+    def __init__(self, store, number: int, path: str, dir_fd: int):
+        # (opened relative to the device directory, never through a link)
         self.store, self.number, self.path = store, number, path
-        self.fd = os.open(path, os.O_RDWR)
+        name = os.path.basename(path)
+        self.fd = os.open(name, os.O_RDWR | _NOLINK, dir_fd=dir_fd)
         self.dfd = None  # opened O_DIRECT, for large writes
         if hasattr(os, "O_DIRECT"):
             try:
-                self.dfd = os.open(path, os.O_RDWR | os.O_DIRECT)
+                self.dfd = os.open(name, os.O_RDWR | os.O_DIRECT | _NOLINK, dir_fd=dir_fd)
             except OSError as e:
                 if e.errno != errno.EINVAL:  # tmpfs refuses O_DIRECT: buffered then
                     raise
-        self.rfd = os.open(path, os.O_RDONLY)  # small reads, no read-ahead
+        self.rfd = os.open(name, os.O_RDONLY | _NOLINK, dir_fd=dir_fd)  # small reads, no read-ahead
         try:
             os.posix_fadvise(self.rfd, 0, 0, os.POSIX_FADV_RANDOM)
         except OSError:
@@ -164,9 +167,13 @@ class PoolStore:
         self._sync_lock = threading.Lock()
         _file.check_marker(path, volume_uuid, dev, FORMAT)
         try:
-            self._ifd = os.open(os.path.join(path, "index"), os.O_RDWR)
-            self._spaces = [_Space(self, i, os.path.join(path, name))
-                            for i, name in enumerate(SPACES)]
+            dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                self._ifd = os.open("index", os.O_RDWR | _NOLINK, dir_fd=dfd)
+                self._spaces = [_Space(self, i, os.path.join(path, name), dfd)
+                                for i, name in enumerate(SPACES)]
+            finally:
+                os.close(dfd)
         except OSError as e:
             raise VolumeError(f"device {dev} at {path}: pool unreadable: {e}")
         self._dirty = False
@@ -177,23 +184,27 @@ class PoolStore:
 
     @staticmethod
     def format(path: str, volume_uuid: str, dev: int) -> None:
-        os.makedirs(path, exist_ok=True)
         marker = os.path.join(path, "DEVICE")
-        if os.path.exists(marker):
+        if os.path.lexists(marker):
             raise VolumeError(f"{path} already belongs to a bmfs volume")
-        for name in ("index",) + SPACES:
-            fd = os.open(os.path.join(path, name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.fsync(fd)
-            os.close(fd)
-        with open(marker + ".tmp", "w") as f:
-            json.dump({"volume": volume_uuid, "device": dev, "format": FORMAT,
-                       "layout": "pool"}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(marker + ".tmp", marker)
-        fd = os.open(path, os.O_RDONLY)
+        _file.make_private_dir(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOLINK)
         try:
+            # created afresh (O_EXCL, O_NOFOLLOW): a link or file left there is refused
+            for name in ("index",) + SPACES:
+                _file.write_new_file(fd, name, b"")
+            try:  # (a marker half-written by an interrupted format is made again)
+                os.unlink("DEVICE.tmp", dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            _file.write_new_file(fd, "DEVICE.tmp", json.dumps(
+                {"volume": volume_uuid, "device": dev, "format": FORMAT,
+                 "layout": "pool"}).encode())
+            os.rename("DEVICE.tmp", "DEVICE", src_dir_fd=fd, dst_dir_fd=fd)
             os.fsync(fd)
+        except FileExistsError as e:
+            raise VolumeError(f"{path}: {e.filename or 'a file'} is there already: not a "
+                              f"new device directory") from None
         finally:
             os.close(fd)
 
@@ -410,7 +421,7 @@ class PoolStore:
         parity fragments live in a file of their own."""
         epoch, sp, base, length = self._begin_read(name)
         large = sum(n for _, n in ranges) >= _file.DROP_BEHIND
-        fd = os.open(sp.path, os.O_RDONLY) if large else sp.rfd
+        fd = os.open(sp.path, os.O_RDONLY | _NOLINK) if large else sp.rfd
         try:
             out = []
             for o, n in ranges:
@@ -439,7 +450,7 @@ class PoolStore:
         Raises FileNotFoundError if there is no such fragment."""
         epoch, sp, base, length = self._begin_read(name)
         try:
-            fd = os.open(sp.path, os.O_RDONLY)
+            fd = os.open(sp.path, os.O_RDONLY | _NOLINK)
         except BaseException:
             self._end_read(epoch)
             raise

@@ -33,6 +33,8 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
             rec.update(health="missing", error=str(u))
         else:
             rec.update(health="ok", total=u["total"], free=u["free"])
+            if u.get("unexpected_entries"):  # links or foreign files where fragments go
+                rec["unexpected_entries"] = u["unexpected_entries"]
         devices.append(rec)
     from ..node.membership import live_nodes
     nodes = await live_nodes(volume.kv)
@@ -70,6 +72,11 @@ def render(st: dict) -> str:
         where = d["path"] if d.get("node") == "local" else f"{d['node']}  {d['path']}"
         lines.append(f"{d['id']:>3}  {d['health']:<8} {d.get('state', 'in'):<8} "
                      f"{d['fragments']:>9} {_size(used):>10} {_size(d.get('free')):>10}  {where}")
+    odd = [f"{d['id']} ({d['unexpected_entries']})" for d in st["devices"]
+           if d.get("unexpected_entries")]
+    if odd:
+        lines.append("devices that found links or foreign files where new fragments go "
+                     "(left alone; see the log): " + ", ".join(odd))
     if st.get("removed_devices"):
         lines.append("removed (bmfs node remove): "
                      + ", ".join(str(d) for d in st["removed_devices"]))

@@ -21,7 +21,8 @@ from ..kv import open_kv
 from ..meta import keys
 from ..meta.namespace import ROOT
 from ..meta.records import Inode
-from ..store.pmem import LAYOUTS, format_store, open_store
+from ..store.pmem import (LAYOUTS, check_device_path, format_store, make_private,
+                          make_private_folder, open_store, tighten_device)
 from ..transport.local import LocalTransport
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,8 @@ async def _make_own(kv, path: str, info: dict, home: str) -> None:
 
 def _write_volume_file(path: str, info: dict) -> None:
     tmp = os.path.join(path, VOLUME_FILE) + ".tmp"
-    with open(tmp, "w") as f:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                           0o600), "w") as f:
         json.dump(info, f)
         f.flush()
         os.fsync(f.fileno())
@@ -123,14 +125,22 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
                meta: str | None = None, fragment_size: int = 1 << 20,
                nodes: list[str] | None = None,
                domains: list[str] | None = None,
-               layout: str | None = None, on_nodes: bool = False) -> VolumeSettings:
+               layout: str | None = None, on_nodes: bool = False,
+               admin_group: str | None = None) -> VolumeSettings:
     """Create a volume in directory ``path``. Raises VolumeError if one is there already.
     ``layout``: how device directories keep fragments (store/pmem.py LAYOUTS; default
     config.DEFAULT_LAYOUT). ``on_nodes``: a volume whose devices will be storage nodes' (on
     other machines), none yet: each is added with ``bmfs node add --address`` once its
     node serves it; a new cluster secret is written to ``path``/secret (unless one is
-    there)."""
+    there). ``admin_group``: a group (of this machine) whose members may manage
+    branches and snapshots (vfs/control.py)."""
     layout = layout or DEFAULT_LAYOUT
+    if admin_group is not None:
+        from .control import group_id
+        try:
+            group_id(admin_group)
+        except KeyError:
+            raise VolumeError(f"--admin-group: no group {admin_group!r} on this machine")
     if os.path.exists(os.path.join(path, VOLUME_FILE)):
         raise VolumeError(f"{path} already holds a bmfs volume")
     if layout not in LAYOUTS:
@@ -140,7 +150,10 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
                           "bmfs node add --address once its node serves it")
     if devices and len(devices) < k + m:
         raise VolumeError(f"--ec {k}+{m} needs at least {k + m} devices, {len(devices)} given")
-    os.makedirs(path, exist_ok=True)
+    for d in devices or ():
+        _check_new_device(d, path)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)  # (everything in it is then out of others' reach)
     if on_nodes:
         devices = []
     else:
@@ -161,7 +174,8 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
         for i, d in enumerate(devices):
             format_store(d, settings.uuid, i, layout)
         txn = kv.begin()
-        txn.put(keys.SETTINGS, json.dumps(settings.to_json()).encode())
+        txn.put(keys.SETTINGS, json.dumps({**settings.to_json(), **(
+            {"admin_group": admin_group} if admin_group else {})}).encode())
         for i, d in enumerate(devices):
             rec = {"path": d, "node": nodes[i] if nodes else "local"}
             if domains:
@@ -181,7 +195,46 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
     _write_volume_file(path, {"magic": "bmfs-volume", "meta": meta, "uuid": settings.uuid,
                               "home": os.path.realpath(path),
                               **({"secret": "secret"} if nodes or on_nodes else {})})
+    # (SQLite made its files with the process's umask: a bmfs command's is 077, a
+    # program calling this may have another)
+    tighten(path, {"meta": meta}, {i: {"path": d} for i, d in enumerate(devices)})
     return settings
+
+
+def _check_new_device(d: str, volume: str) -> None:
+    """VolumeError unless ``d`` may be made a device of the new volume at ``volume``:
+    check_device_path's rules, not the volume directory itself, and (a directory) new
+    or empty."""
+    check_device_path(d)
+    if d.startswith("pmem:"):
+        return
+    if os.path.abspath(d) == os.path.abspath(volume):
+        raise VolumeError(f"{d} is the volume directory: a device needs one of its own")
+    if os.path.isdir(d) and os.listdir(d):
+        raise VolumeError(f"{d} is not empty (a new device is an empty or new directory)")
+
+
+def tighten(path: str, info: dict, records: dict[int, dict]) -> list[str]:
+    """Take others' access off what the volume keeps on this machine: its directory
+    (0700), its files (0600: volume.json, the SQLite metadata and its -wal and -shm,
+    mount.log, pid files, the secret) and its local devices (tighten_device). A volume
+    made by an older bmfs left them readable. Returns what changed."""
+    changed: list[str] = []
+    try:
+        make_private(path, 0o700, changed)
+        names = [VOLUME_FILE, "mount.log", "mount.pid", info.get("secret", "secret")]
+        meta = info.get("meta", "")
+        if meta.startswith("sqlite:"):
+            names += [meta[7:] + ext for ext in ("", "-wal", "-shm")]
+        for name in names:
+            make_private(os.path.join(path, name), 0o600, changed)
+        make_private_folder(os.path.join(path, "mounts"), 0o600, changed)
+        for rec in records.values():
+            if rec.get("node", "local") == "local" and not rec.get("removed"):
+                tighten_device(rec.get("path", ""), changed)
+    except OSError as e:  # not the volume's owner (a read-only look): leave it
+        log.debug("%s: permissions not tightened: %s", path, e)
+    return changed
 
 
 async def device_records(kv) -> dict[int, dict]:
@@ -242,6 +295,13 @@ async def _upgrade(kv, path: str) -> dict:
     return d
 
 
+def _say_tightened(path: str, changed: list[str]) -> None:
+    if changed:
+        log.warning("%s: tightened permissions of %d paths other users could reach "
+                    "(directories now 0700, files 0600): %s%s", path, len(changed),
+                    ", ".join(changed[:8]), " ..." if len(changed) > 8 else "")
+
+
 class Volume:
     """An opened volume. Create with ``await Volume.open(path)``; close with ``aclose``."""
 
@@ -297,6 +357,8 @@ class Volume:
             if home is not None:
                 await _make_own(kv, path, info, home)
             records = await device_records(kv)
+            if upgrade:
+                _say_tightened(path, tighten(path, info, records))
             # (a volume made for storage nodes names its secret before it has devices)
             if "secret" in info or any(rec.get("node", "local") != "local"
                                        for rec in records.values()):

@@ -1,0 +1,341 @@
+"""Level 4: who may do what (docs/operations.md, "Threat model"), tried as an
+unprivileged user (`setpriv` to nobody) against real mounts: control requests are
+authorised, the volume's files are private, the stores write through no link."""
+import glob
+import grp
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from mountutil import BMFS, Mounted, bmfs, mkfs
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def as_nobody(*cmd, groups: str | None = None) -> subprocess.CompletedProcess:
+    """``cmd`` run as nobody (with the supplementary ``groups``, if given)."""
+    who = NOBODY if groups is None else NOBODY[:2] + [f"--groups={groups}"]
+    return subprocess.run(who + [str(c) for c in cmd], capture_output=True, text=True,
+                          errors="replace",
+                          env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+
+
+def bmfs_as_nobody(*args, groups: str | None = None) -> subprocess.CompletedProcess:
+    return as_nobody(*BMFS, *args, groups=groups)
+
+
+@pytest.fixture
+def public():
+    """A directory other users can reach (pytest's tmp dirs are private)."""
+    top = tempfile.mkdtemp(dir="/var/tmp", prefix="bmfs-sec-")
+    os.chmod(top, 0o755)
+    try:
+        yield top
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture
+def pub_mnt(public):
+    mkfs(f"{public}/vol")
+    with Mounted(f"{public}/vol", f"{public}/mnt") as m:
+        os.chmod(m.mp, 0o755)
+        yield m
+
+
+def ctl_raw(mp: str, data: bytes, who=None) -> tuple[str | None, dict]:
+    """Write ``data`` to the control file (as nobody if ``who``): (the write's error
+    name or None, the reply read back on the same handle)."""
+    code = f"""
+import json, os, sys
+fd = os.open({mp + '/.bm/ctl'!r}, os.O_RDWR)
+err = None
+try:
+    os.write(fd, {data!r})
+except OSError as e:
+    err = e.errno
+print(json.dumps([err, os.pread(fd, 1 << 20, 0).decode()]))
+"""
+    cmd = [sys.executable, "-c", code]
+    r = as_nobody(*cmd) if who else subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    err, reply = json.loads(r.stdout)
+    return err, json.loads(reply)
+
+
+def tree_state(m) -> dict:
+    """What a refused request must not change: branches, snapshots, devices, a file."""
+    with open(f"{m.mp}/f") as f:
+        content = f.read()
+    return {"branches": m.ctl("branch_list"), "snapshots": m.ctl("snapshot_list"),
+            "devices": m.ctl("devices"), "f": content}
+
+
+def test_control_requests_refused_to_others(pub_mnt, public):
+    m = pub_mnt
+    with open(f"{m.mp}/f", "w") as f:
+        f.write("main's")
+    bmfs("snapshot", "create", "s1", "-m", m.mp)
+    bmfs("branch", "create", "b1", "-m", m.mp)
+    with open(f"{m.mp}/.bm/branches/b1/g", "w") as f:
+        f.write("b1's")
+    os.mkdir(f"{public}/mine")
+    os.chown(f"{public}/mine", 65534, 65534)
+    before = tree_state(m)
+    mp = m.mp
+    for args in (["branch", "reset", "main", "--to", "s1"], ["branch", "delete", "b1"],
+                 ["branch", "create", "x"], ["snapshot", "delete", "s1"],
+                 ["snapshot", "create", "s2"], ["merge", "b1", "--into", "main"],
+                 ["node", "add", f"{public}/mine"], ["node", "drain", "0"],
+                 ["node", "undrain", "0"], ["node", "remove", "0"],
+                 ["admin-group", "nogroup"]):
+        r = bmfs_as_nobody(*args, "-m", mp)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert r.stderr.startswith("bmfs: permission denied: ") and \
+            r.stderr.count("\n") == 1, (args, r.stderr)
+    for op in ("repair", "scrub", "rebalance"):
+        r = bmfs_as_nobody(op, mp)
+        assert r.returncode == 2 and "permission denied" in r.stderr, (op, r.stderr)
+    # a raw request fails its write with EACCES; the reply says who may send it
+    err, reply = ctl_raw(mp, b'{"op": "add_device", "path": "%s/mine"}'
+                         % public.encode(), who="nobody")
+    assert err == 13 and reply["errno"] == 13 and "root only" in reply["error"]
+    assert tree_state(m) == before
+    assert os.listdir(f"{public}/mine") == []
+    # read-only requests stay open to all
+    for args in (["status", mp], ["branch", "list", "-m", mp],
+                 ["snapshot", "list", "-m", mp], ["diff", "s1", "b1", "-m", mp],
+                 ["admin-group", "-m", mp]):
+        r = bmfs_as_nobody(*args)
+        assert r.returncode == 0, (args, r.stderr)
+    assert "A\t/g" in bmfs_as_nobody("diff", "s1", "b1", "-m", mp).stdout
+    # root still may
+    bmfs("branch", "delete", "b1", "-m", mp)
+
+
+def _group_other_than_nobodys() -> grp.struct_group:
+    for name in ("users", "staff", "adm"):
+        try:
+            g = grp.getgrnam(name)
+        except KeyError:
+            continue
+        if g.gr_gid != 65534:
+            return g
+    pytest.skip("no group to name as the admin group")
+
+
+def test_admin_group_manages_branches_not_devices(public):
+    g = _group_other_than_nobodys()
+    mkfs(f"{public}/vol", "--admin-group", g.gr_name)
+    with Mounted(f"{public}/vol", f"{public}/mnt") as m:
+        os.chmod(m.mp, 0o755)
+        mp = m.mp
+        st = os.stat(f"{mp}/.bm/ctl")
+        assert st.st_gid == g.gr_gid and stat.S_IMODE(st.st_mode) == 0o666
+        member = str(g.gr_gid)
+        for args in (["branch", "create", "b2"], ["snapshot", "create", "s2", "--branch", "b2"],
+                     ["snapshot", "delete", "s2"], ["branch", "delete", "b2"]):
+            r = bmfs_as_nobody(*args, "-m", mp, groups=member)
+            assert r.returncode == 0, (args, r.stderr)
+        devices = m.ctl("devices")
+        os.mkdir(f"{public}/new")
+        for args in (["node", "add", f"{public}/new"], ["node", "drain", "0"],
+                     ["admin-group", "--none"]):
+            r = bmfs_as_nobody(*args, "-m", mp, groups=member)
+            assert r.returncode == 2 and "permission denied" in r.stderr, (args, r.stderr)
+        assert m.ctl("devices") == devices and os.listdir(f"{public}/new") == []
+        # not a member: refused
+        r = bmfs_as_nobody("branch", "create", "b3", "-m", mp)
+        assert r.returncode == 2 and "admin group" in r.stderr
+        # root takes the group's right away
+        assert "none" in bmfs("admin-group", "--none", "-m", mp).stdout
+        r = bmfs_as_nobody("branch", "create", "b4", "-m", mp, groups=member)
+        assert r.returncode == 2 and "permission denied" in r.stderr
+        assert [b["name"] for b in m.ctl("branch_list")["result"]] == ["main"]
+
+
+def test_control_answers_are_per_handle(pub_mnt):
+    mp = pub_mnt.mp
+    bmfs("snapshot", "create", "root-only-name", "-m", mp)
+    fd = os.open(f"{mp}/.bm/ctl", os.O_RDWR)
+    try:
+        os.write(fd, b'{"op": "snapshot_list"}')
+        # another user's handle never shows root's answer
+        code = f"""
+import os
+fd = os.open({mp + '/.bm/ctl'!r}, os.O_RDWR)
+print(repr(os.pread(fd, 1 << 20, 0)))
+os.write(fd, b'{{"op": "branch_list"}}')
+print(repr(os.pread(fd, 1 << 20, 0)))
+"""
+        r = as_nobody(sys.executable, "-c", code)
+        first, second = r.stdout.splitlines()
+        assert first == "b''" and "root-only-name" not in r.stdout and '"main"' in second
+        assert b"root-only-name" in os.pread(fd, 1 << 20, 0)
+    finally:
+        os.close(fd)
+
+
+def test_control_bad_requests(pub_mnt):
+    mp = pub_mnt.mp
+    before = pub_mnt.ctl("branch_list")
+    for data, says in ((b'{"op": "branch_create"}', "branch_create needs the field 'name'"),
+                       (b'{"op": "branch_create", "name": "x", "colour": 1}',
+                        "branch_create takes no field 'colour'"),
+                       (b'{"op": "branch_create", "name": 7}',
+                        "'name' of branch_create is a string, not 7"),
+                       (b'{"op": "drain", "device": true}',
+                        "'device' of drain is an integer, not true"),
+                       (b'{"op": "repair", "limit": "fast"}', "'limit' of repair is"),
+                       (b'{"op": "merge", "source": "main"}', "merge needs the field 'into'"),
+                       (b'{"op": 3}', 'a JSON object with an "op" string'),
+                       (b'["status"]', 'a JSON object with an "op" string'),
+                       (b'{"op": "format_disk"}', "unknown control operation 'format_disk'"),
+                       (b'\xff\xfe', "not JSON")):
+        err, reply = ctl_raw(mp, data)
+        assert err is None and reply["errno"] == 22 and says in reply["error"], (data, reply)
+    assert pub_mnt.ctl("branch_list") == before
+
+
+# -- the volume's files --------------------------------------------------------------------
+def _mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def _loose_umask():
+    os.umask(0)
+
+
+def test_volume_files_are_private(public):
+    vol, mp = f"{public}/vol", f"{public}/mnt"
+    subprocess.run(BMFS + ["mkfs", vol], check=True, capture_output=True,
+                   preexec_fn=_loose_umask)
+    os.makedirs(mp)
+    subprocess.run(BMFS + ["mount", mp, "--volume", vol], check=True, capture_output=True,
+                   preexec_fn=_loose_umask)
+    m = Mounted(vol, mp)
+    from mountutil import daemon_pid
+    m.pid = daemon_pid(vol)
+    try:
+        with open(f"{mp}/small", "w") as f:  # lives inline in meta.db
+            f.write("TOPSECRET small file")
+        os.chmod(f"{mp}/small", 0o600)
+        with open(f"{mp}/big", "wb") as f:
+            f.write(b"TOPSECRET" * (1 << 20))
+            os.fsync(f.fileno())
+        assert _mode(vol) == 0o700
+        files = [f"{vol}/{n}" for n in ("volume.json", "meta.db", "meta.db-wal",
+                                       "meta.db-shm", "mount.log", "mount.pid")]
+        files += glob.glob(f"{vol}/mounts/*")
+        frag_files = glob.glob(f"{vol}/dev*/frags/*/*")
+        assert frag_files
+        for p in files + frag_files + glob.glob(f"{vol}/dev*/DEVICE"):
+            assert _mode(p) == 0o600, p
+        for p in glob.glob(f"{vol}/dev*") + glob.glob(f"{vol}/dev*/frags") + \
+                glob.glob(f"{vol}/dev*/frags/*") + [f"{vol}/mounts"]:
+            assert _mode(p) == 0o700, p
+        for p in (f"{vol}/meta.db", frag_files[0], f"{vol}/mount.log"):
+            r = as_nobody("cat", p)
+            assert r.returncode != 0 and "Permission denied" in r.stderr, p
+        r = as_nobody("grep", "-rl", "TOPSECRET", vol)
+        assert "TOPSECRET" not in r.stdout and r.returncode != 0
+    finally:
+        m.umount()
+
+
+def test_older_volume_tightened_once(public):
+    vol = f"{public}/vol"
+    mkfs(vol)
+    with Mounted(vol, f"{public}/mnt") as m:
+        with open(f"{m.mp}/f", "wb") as f:
+            f.write(os.urandom(1 << 20))
+    loosened = []  # as an older bmfs left them
+    for dp, dns, fns in os.walk(vol):
+        for n in dns:
+            os.chmod(os.path.join(dp, n), 0o755)
+        for n in fns:
+            os.chmod(os.path.join(dp, n), 0o644)
+            loosened.append(os.path.join(dp, n))
+    os.chmod(vol, 0o755)
+    r = as_nobody("cat", f"{vol}/meta.db")
+    assert r.returncode == 0  # the setup did loosen it
+    with Mounted(vol, f"{public}/mnt"):
+        assert _mode(vol) == 0o700 and _mode(f"{vol}/meta.db") == 0o600
+        assert all(_mode(p) == 0o700 for p in glob.glob(f"{vol}/dev*/frags/*"))
+        assert as_nobody("cat", f"{vol}/meta.db").returncode != 0
+    with Mounted(vol, f"{public}/mnt"):
+        pass
+    with open(f"{vol}/mount.log") as f:
+        said = [line for line in f if "tightened permissions" in line]
+    assert len(said) == 1 and "meta.db" in said[0], said
+
+
+# -- devices: no link followed ---------------------------------------------------------------
+def test_planted_links_are_not_written_through(public, tmp_path):
+    """A link to a root-owned 0600 file where the first stripes' fragments go on one
+    device: the file stays as it was, the writes land on the other devices, and the
+    device counts what it found."""
+    vol = f"{public}/vol"
+    mkfs(vol)
+    target = tmp_path / "precious"
+    target.write_bytes(b"root's own\n")
+    os.chmod(target, 0o600)
+    before = (target.read_bytes(), os.stat(target).st_mtime_ns)
+    frags = f"{vol}/dev0/frags"
+    links = []
+    for sid in range(1, 600):
+        for index in range(6):
+            name = "%016x.%d" % (sid, index)
+            links.append(f"{frags}/{name[14:16]}/{name}")
+            os.symlink(target, links[-1])
+    data = os.urandom(9 << 20)
+    with Mounted(vol, f"{public}/mnt") as m:
+        with open(f"{m.mp}/file", "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+        subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=False)
+        with open(f"{m.mp}/file", "rb") as f:
+            assert f.read() == data
+        st = json.loads(bmfs("status", m.mp, "--json").stdout)
+    assert (target.read_bytes(), os.stat(target).st_mtime_ns) == before
+    assert all(os.path.islink(p) for p in links)
+    dev0 = [d for d in st["devices"] if d.get("id", d.get("device")) == 0]
+    assert dev0 and dev0[0].get("unexpected_entries", 0) >= 1, st["devices"]
+    with open(f"{vol}/mount.log") as f:
+        assert "not made by bmfs: left alone, not written" in f.read()
+
+
+def test_device_paths_refused(public, tmp_path):
+    vol = f"{public}/vol"
+    mkfs(vol)
+    other = tmp_path / "other"
+    mkfs(other)
+    os.mkdir(tmp_path / "real")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    (tmp_path / "plain").write_text("a file")
+    with Mounted(vol, f"{public}/mnt") as m:
+        os.mkdir(f"{m.mp}/inside")
+        before = m.ctl("devices")
+        for path, says in ((tmp_path / "link", "is a symbolic link"),
+                           (tmp_path / "plain", "is not a directory"),
+                           (other, "the directory of a bmfs volume"),
+                           (f"{m.mp}/inside", "inside the bmfs mount"),
+                           (f"{m.mp}/inside/new", "inside the bmfs mount")):
+            r = bmfs("node", "add", path, "-m", m.mp, check=False)
+            assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, \
+                (path, r.stderr)
+        assert m.ctl("devices") == before
+        assert os.listdir(tmp_path / "real") == []
+        args = ["--ec", "1+1", "--device"]
+        r = bmfs("mkfs", tmp_path / "v2", *args, tmp_path / "link", "--device",
+                 tmp_path / "d2", check=False)
+        assert r.returncode == 2 and "is a symbolic link" in r.stderr
+        r = bmfs("mkfs", tmp_path / "v3", *args, f"{m.mp}/inside", "--device",
+                 tmp_path / "d3", check=False)
+        assert r.returncode == 2 and "inside the bmfs mount" in r.stderr

@@ -523,9 +523,10 @@ class NodeServer:
 
 async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict[int, str],
                    volume_uuid: str, ready=None, read_delay: float = 0.0,
-                   meta: str | None = None, advertise: str | None = None) -> None:
+                   meta: str | None = None, advertise: str | None = None,
+                   tls=None) -> None:
     """Serve ``devices`` on ``host:port`` until cancelled, each locked for this process
-    (lock_device). With ``meta`` (etcd, this volume's), keep a leased membership record
+    (lock_device), over TLS if ``tls`` (a tls.TlsConfig) is given. With ``meta`` (etcd, this volume's), keep a leased membership record
     there, and announce ``advertise`` (default: the address listened on, unless that
     is a wildcard) as the devices' node address, beside serving (membership.announce)."""
     locks = []
@@ -538,7 +539,8 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
             if fd >= 0:
                 os.close(fd)
         raise
-    server = NodeServer(name, secret, stores, read_delay=read_delay)
+    server = NodeServer(name, secret, stores, read_delay=read_delay,
+                        tls=tls and tls.context(server=True))
     server.volume_uuid = volume_uuid
     kv = None
     try:
@@ -562,7 +564,7 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
                 else:
                     if advertise:  # (beside serving: etcd may be slow or unreachable)
                         nursery.start_soon(announce, kv, stores, advertise, volume_uuid,
-                                           secret)
+                                           secret, 12, tls and tls.context(server=False))
                     await nursery.start(keep_registered, kv, name,
                                         advertise or f"{host}:{bound}", stores)
             if ready:

@@ -1,10 +1,13 @@
-"""Level 2: a storage node's limits against unauthenticated and idle peers.
+"""Level 2: a storage node against unauthenticated and idle peers, and over TLS.
 
 Raw sockets play the attacker against real node servers (in-process trio servers on
 loopback, or a `bmfs node serve` process where its memory is measured): before the
 handshake a node says nothing about itself, refuses oversized frames without
 allocating them, closes slow and surplus handshakes, and after it closes idle
-connections and makes room for new clients when every slot is taken.
+connections and makes room for new clients when every slot is taken. Over TLS
+(certificates of a CA made by bmfs/cluster/certs.py) reads and writes work on the
+Python paths only (neither C fast path touches a TLS socket), and a peer without a
+certificate of the CA, or without TLS, gets nothing.
 """
 import os
 import socket
@@ -18,7 +21,8 @@ import trio
 from bmfs.node import protocol
 from bmfs.node import server as node_server
 from bmfs.node.protocol import PREFIX, Connection, client_handshake
-from bmfs.node.server import NodeServer
+from bmfs.node.server import READS, NodeServer
+from bmfs.node.tls import TlsConfig
 from bmfs.store.file import FileStore
 from bmfs.transport.tcp import TcpTransport
 from bmfs.wire import node_pb2 as pb
@@ -36,9 +40,9 @@ async def _start(tmp_path, nursery, **kw) -> tuple[NodeServer, int]:
     return server, port
 
 
-async def _stat(port: int, timeout: float = 20.0) -> dict:
+async def _stat(port: int, timeout: float = 20.0, tls=None) -> dict:
     """A legitimate client's STAT of device 0 (raises if not served in ``timeout``)."""
-    transport = TcpTransport({0: f"127.0.0.1:{port}"}, SECRET, timeout=timeout)
+    transport = TcpTransport({0: f"127.0.0.1:{port}"}, SECRET, timeout=timeout, tls=tls)
     try:
         with trio.fail_after(timeout):
             return await transport.stat(0)
@@ -227,3 +231,77 @@ def test_oversized_preauth_frames_are_refused_unallocated(tmp_path):
         proc.terminate()
         proc.wait(10)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    from bmfs.cluster.certs import make_ca_and_certs
+    base = tmp_path_factory.mktemp("tls")
+    made = make_ca_and_certs(str(base / "ca"), ["node", "client"])
+    other = make_ca_and_certs(str(base / "other"), ["intruder"])
+    return {name: TlsConfig(**paths) for name, paths in {**made, **other}.items()}
+
+
+def test_reads_and_writes_over_tls_take_the_python_paths(tmp_path, certs, monkeypatch):
+    """Over TLS a fragment written and read back (small READs, which the C paths
+    would take, and a large one, which sendfile would send) comes back whole, and
+    neither the node's C path nor the client's served any of it."""
+    from bmfs.transport import tcp
+    spun = []
+    monkeypatch.setattr(tcp, "read_spun", lambda *a, **k: spun.append(a) or [])
+    name = "00000000000000ab.0"
+    data = os.urandom(1 << 20)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            server, port = await _start(tmp_path, nursery,
+                                        tls=certs["node"].context(server=True))
+            assert server.native_reads == ()
+            transport = TcpTransport({0: f"127.0.0.1:{port}"}, SECRET,
+                                     tls=certs["client"].context(server=False))
+            await transport.put(0, name, [data])
+            for off in range(0, 64 << 10, 4096):
+                (part,) = await transport.read(0, name, [(off, 4096)])
+                assert bytes(part) == data[off:off + 4096]
+            (whole,) = await transport.read(0, name, [(0, len(data))])
+            assert bytes(whole) == data
+            assert transport.is_up(0) and not spun
+            if READS is not None:
+                assert READS.served(server._native) == 0
+            assert server.stats["requests"] >= 18
+            await transport.aclose()
+            nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_tls_node_refuses_peers_without_a_member_certificate(tmp_path, certs):
+    """A TLS node: a client without a certificate, one of another CA, and a plain
+    TCP client (also the bmfs transport without TLS) are closed and get nothing; a
+    member is served."""
+    import ssl
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            server, port = await _start(tmp_path, nursery, handshake_deadline=2.0,
+                                        tls=certs["node"].context(server=True))
+
+            def as_peer(ctx):
+                raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+                try:
+                    sock = ctx.wrap_socket(raw) if ctx else raw
+                    return _everything_until_closed(sock)
+                except (ssl.SSLError, ConnectionResetError, BrokenPipeError):
+                    return b""
+                finally:
+                    raw.close()
+            no_cert = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            no_cert.check_hostname = False
+            no_cert.load_verify_locations(certs["node"].ca)
+            for ctx in (no_cert, certs["intruder"].context(server=False), None):
+                assert await trio.to_thread.run_sync(as_peer, ctx) == b""
+            with pytest.raises(Exception):  # (DeviceError: closed by the node)
+                await _stat(port, timeout=5)
+            info = await _stat(port, tls=certs["client"].context(server=False))
+            assert info["stats"]["rejected"] >= 4
+            nursery.cancel_scope.cancel()
+    trio.run(main)

@@ -305,3 +305,25 @@ def test_tls_node_refuses_peers_without_a_member_certificate(tmp_path, certs):
             assert info["stats"]["rejected"] >= 4
             nursery.cancel_scope.cancel()
     trio.run(main)
+
+
+def test_tls_options_and_section_mistakes_are_one_line(tmp_path, certs):
+    """`bmfs node serve` with part of the TLS options, or unusable files, and a volume
+    whose tls section names a missing file: one line, exit status 2, no traceback."""
+    (tmp_path / "secret").write_bytes(SECRET)
+    base = [sys.executable, "-m", "bmfs.cli.main", "node", "serve", "--format",
+            "--listen", "127.0.0.1:0", "--device", f"0={tmp_path / 'dev'}",
+            "--secret-file", str(tmp_path / "secret"), "--volume-uuid", "vol"]
+    for extra, says in ((["--tls-cert", certs["node"].cert], "all of --tls-cert"),
+                        (["--tls-cert", certs["node"].cert, "--tls-key", str(tmp_path),
+                          "--tls-ca", certs["node"].ca], "cannot use the TLS files")):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, \
+            r.stderr
+    from bmfs.errors import VolumeError
+    from bmfs.vfs.volume import _tcp_transport
+    with pytest.raises(VolumeError, match="tls section"):
+        _tcp_transport(str(tmp_path), {"tls": {"cert": "nope.pem", "key": "k", "ca": "c"}},
+                       {})
+    with pytest.raises(VolumeError, match="tls section"):
+        _tcp_transport(str(tmp_path), {"tls": {"cert": "a"}}, {})

@@ -17,6 +17,9 @@ def add_parser(sub):
                    help="put node i in failure domain i %% N (default: each node its own)")
     u.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="how each node's device keeps fragments (as bmfs mkfs --layout)")
+    u.add_argument("--tls", action="store_true",
+                   help="node connections over TLS, with certificates of a CA made in "
+                        "DIR/tls (needs the openssl command)")
     u.set_defaults(func=run_up)
     r = cs.add_parser("start", help="start every node and etcd member that is not running "
                                     "(also after down), or one node")
@@ -43,7 +46,7 @@ def run_up(args) -> int:
         meta = etcd.start_for_cluster(args.dir)
     elif args.meta != "sqlite":
         raise ValueError(f"--meta is sqlite or etcd, not {args.meta!r}")
-    info = local.up(args.dir, args.nodes, k, m, meta, args.domains, args.layout)
+    info = local.up(args.dir, args.nodes, k, m, meta, args.domains, args.layout, args.tls)
     if args.meta == "etcd":
         etcd.record_in_cluster(args.dir)
     for n in info["nodes"]:

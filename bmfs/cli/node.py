@@ -32,6 +32,11 @@ def add_parser(sub):
                         "first (a device to add with bmfs node add --address)")
     s.add_argument("--layout", choices=LAYOUTS, default="files",
                    help="the layout --format gives a directory (as bmfs mkfs --layout)")
+    s.add_argument("--tls-cert", metavar="PEM", help="serve over TLS with this "
+                   "certificate (with --tls-key and --tls-ca; docs/deploy.md)")
+    s.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    s.add_argument("--tls-ca", metavar="PEM", help="the cluster CA: clients must present "
+                   "a certificate it signed")
     s.add_argument("--fault", default=os.environ.get("BMFS_NODE_FAULT"),
                    help="test fault control: delay=SECONDS slows every read reply")
     s.set_defaults(func=run_serve)
@@ -121,8 +126,25 @@ def run_serve(args) -> int:
     from ..proc import notify_ready
     run_trio(run_node, args.name or args.listen, host, int(port), secret, devices,
              args.volume_uuid, lambda bound: notify_ready(f"serving on {host}:{bound}"),
-             delay, args.meta, args.advertise)
+             delay, args.meta, args.advertise, _tls(args))
     return 0
+
+
+def _tls(args):
+    """The node's tls.TlsConfig from --tls-cert/--tls-key/--tls-ca (all or none,
+    checked usable), or None."""
+    given = [args.tls_cert, args.tls_key, args.tls_ca]
+    if not any(given):
+        return None
+    if not all(given):
+        raise UserError("TLS wants all of --tls-cert, --tls-key and --tls-ca")
+    from ..node.tls import TlsConfig
+    tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_ca)
+    try:
+        tls.context(server=True)
+        return tls
+    except OSError as e:  # (ssl.SSLError is one)
+        raise UserError(f"cannot use the TLS files: {e.strerror or e}")
 
 
 def _devices(args, formatted: bool = False) -> dict[int, str]:

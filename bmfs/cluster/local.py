@@ -39,10 +39,13 @@ def free_ports(n: int) -> list[int]:
 
 
 def node_command(i: int, port: int, dev: int, path: str, secret: str, uuid: str,
-                 fault: str | None = None, meta: str | None = None) -> list[str]:
+                 fault: str | None = None, meta: str | None = None,
+                 tls: dict | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "bmfs.cli.main", "node", "serve", "--name", f"node{i}",
            "--listen", f"127.0.0.1:{port}", "--device", f"{dev}={path}",
            "--secret-file", secret, "--volume-uuid", uuid]
+    if tls:  # (certs.make_ca_and_certs: this node's certificate, key and the CA)
+        cmd += ["--tls-cert", tls["cert"], "--tls-key", tls["key"], "--tls-ca", tls["ca"]]
     if fault:
         cmd += ["--fault", fault]
     if meta and meta.startswith("etcd:"):
@@ -54,7 +57,8 @@ def start_node(directory: str, node: dict, fault: str | None = None) -> int:
     """Start (or restart) one node process; returns its pid once it accepts connections."""
     log = open(os.path.join(directory, f"node{node['index']}.log"), "ab")
     cmd = node_command(node["index"], node["port"], node["device"], node["path"],
-                       os.path.join(directory, "secret"), node["uuid"], fault, node.get("meta"))
+                       os.path.join(directory, "secret"), node["uuid"], fault, node.get("meta"),
+                       node.get("tls"))
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             start_new_session=True)
     deadline = time.monotonic() + 20
@@ -72,9 +76,11 @@ def start_node(directory: str, node: dict, fault: str | None = None) -> int:
 
 
 def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None,
-       domains: int = 0, layout: str | None = None) -> dict:
+       domains: int = 0, layout: str | None = None, tls: bool = False) -> dict:
     """Start ``nodes`` nodes; with ``domains`` > 0, node i is in failure domain
-    ``d{i % domains}`` (placement spreads a stripe's fragments over domains first)."""
+    ``d{i % domains}`` (placement spreads a stripe's fragments over domains first).
+    With ``tls``, node connections are TLS with certificates of a CA made in DIR/tls
+    (certs.py), named in volume.json's tls section for mounts."""
     from ..vfs.volume import mkfs
     if os.path.exists(os.path.join(directory, CLUSTER_FILE)):
         raise VolumeError(f"{directory} already holds a cluster (bmfs cluster down first)")
@@ -89,11 +95,14 @@ def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None,
     settings = trio.run(lambda: mkfs(directory, k, m, devices=paths, meta=meta,
                                      nodes=addrs, domains=doms, layout=layout))
     info = {"volume": os.path.abspath(directory), "uuid": settings.uuid, "ec": f"{k}+{m}",
-            "meta": meta or f"sqlite:{os.path.abspath(directory)}/meta.db", "nodes": []}
+            "meta": meta or f"sqlite:{os.path.abspath(directory)}/meta.db", "nodes": [],
+            "tls": tls}
+    certs = _make_tls(directory, [f"node{i}" for i in range(nodes)]) if tls else {}
     try:
         for i in range(nodes):
             node = {"index": i, "device": i, "path": paths[i], "port": ports[i],
-                    "address": addrs[i], "uuid": settings.uuid, "meta": meta}
+                    "address": addrs[i], "uuid": settings.uuid, "meta": meta,
+                    "tls": certs.get(f"node{i}")}
             node["pid"] = start_node(directory, node)
             info["nodes"].append(node)
     except BaseException:
@@ -119,7 +128,9 @@ def add_node(directory: str, dev: int, domain: str | None = None) -> dict:
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # a failed add's leftovers
     port = free_ports(1)[0]
     node = {"index": index, "device": dev, "path": path, "port": port,
-            "address": f"127.0.0.1:{port}", "uuid": info["uuid"], "meta": info.get("meta")}
+            "address": f"127.0.0.1:{port}", "uuid": info["uuid"], "meta": info.get("meta"),
+            "tls": _make_tls(directory, [f"node{index}"])[f"node{index}"]
+            if info.get("tls") else None}
     if domain:
         node["domain"] = domain
     try:
@@ -131,6 +142,22 @@ def add_node(directory: str, dev: int, domain: str | None = None) -> dict:
     info["nodes"].append(node)
     write_info(directory, info)
     return node
+
+
+def _make_tls(directory: str, names: list[str]) -> dict:
+    """Certificates for ``names`` and the mounts' ("client", named in volume.json's tls
+    section) from the CA in DIR/tls (made at the first call)."""
+    from ..vfs.volume import VOLUME_FILE
+    from .certs import make_ca_and_certs
+    certs = make_ca_and_certs(os.path.join(directory, "tls"), names + ["client"])
+    path = os.path.join(directory, VOLUME_FILE)
+    with open(path) as f:
+        volume = json.load(f)
+    volume["tls"] = {"cert": "tls/client.pem", "key": "tls/client.key", "ca": "tls/ca.pem"}
+    with open(path + ".tmp", "w") as f:
+        json.dump(volume, f)
+    os.rename(path + ".tmp", path)
+    return certs
 
 
 def drop_node(directory: str, node: dict) -> None:

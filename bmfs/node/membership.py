@@ -56,7 +56,7 @@ async def keep_registered(kv, name: str, address: str, stores: dict, task_status
 
 
 async def announce(kv, devices, address: str, volume_uuid: str, secret: bytes,
-                   tries: int = 12) -> list[int]:
+                   tries: int = 12, tls=None) -> list[int]:
     """Make ``address`` the node address of each of ``devices`` (ids this node serves:
     it opened and locked their directories, which say they are this volume's) whose
     device record names another: the node came back on a new IP or port. Mounts take
@@ -66,10 +66,11 @@ async def announce(kv, devices, address: str, volume_uuid: str, secret: bytes,
     for the device (another process serves a copy of it: the record is not taken from
     it); a loopback address over one that is not (clients elsewhere could not reach
     it). Metadata that is not this volume's changes nothing. When etcd cannot be
-    reached it is tried again, every 5 s, ``tries`` times. The ids changed."""
+    reached it is tried again, every 5 s, ``tries`` times. ``tls``: the client SSL
+    context that reaches the other nodes (TLS clusters). The ids changed."""
     for _ in range(tries):
         try:
-            return await _announce(kv, devices, address, volume_uuid, secret)
+            return await _announce(kv, devices, address, volume_uuid, secret, tls)
         except FsError as e:
             log.warning("device addresses not announced yet: %s", e)
             await trio.sleep(5.0)
@@ -85,18 +86,20 @@ def _loopback(address: str) -> bool:
         return host == "localhost"
 
 
-async def _answers(address: str, dev: int, volume_uuid: str, secret: bytes) -> bool:
+async def _answers(address: str, dev: int, volume_uuid: str, secret: bytes,
+                   tls=None) -> bool:
     """Whether the node at ``address`` serves device ``dev`` of this volume now."""
     from ..transport import DeviceError
     from ..transport.tcp import stat_device
     try:
-        info = await stat_device(address, dev, secret, timeout=3.0)
+        info = await stat_device(address, dev, secret, timeout=3.0, tls=tls)
     except (DeviceError, OSError, trio.TooSlowError):
         return False
     return info.get("volume", volume_uuid) == volume_uuid
 
 
-async def _announce(kv, devices, address: str, volume_uuid: str, secret: bytes) -> list[int]:
+async def _announce(kv, devices, address: str, volume_uuid: str, secret: bytes,
+                    tls=None) -> list[int]:
     from ..vfs.repair import change_device
     from ..vfs.volume import device_records
     if not await is_volume(kv, volume_uuid):
@@ -114,7 +117,7 @@ async def _announce(kv, devices, address: str, volume_uuid: str, secret: bytes) 
             log.warning("device %d: not announcing loopback address %s over %s", dev,
                         address, old)
             continue
-        if await _answers(old, dev, volume_uuid, secret):
+        if await _answers(old, dev, volume_uuid, secret, tls):
             log.warning("device %d: %s still serves it: a copy of the device? Its record "
                         "stays", dev, old)
             continue

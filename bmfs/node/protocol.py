@@ -17,6 +17,7 @@ import math
 import mmap
 import os
 import socket
+import ssl
 import struct
 import sys
 
@@ -48,6 +49,21 @@ REPLY_BUFFERS = 48     # large reply buffers a client keeps for reuse (~1 MiB ea
 
 class ProtocolError(Exception):
     """The peer broke the protocol (bad frame, bad proof); the connection is closed."""
+
+
+# what a non-blocking socket raises when it cannot go on yet (a TLS one: that it needs
+# to read, or write, first)
+_WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+def _waiter(e: Exception, default):
+    """What to wait for after ``e`` (one of _WOULD_BLOCK): a TLS socket may need the
+    other direction (a key update, say) before it can go on."""
+    if isinstance(e, ssl.SSLWantReadError):
+        return trio.lowlevel.wait_readable
+    if isinstance(e, ssl.SSLWantWriteError):
+        return trio.lowlevel.wait_writable
+    return default
 
 
 class _ReplyBuffers:
@@ -82,8 +98,14 @@ class _Framing:
     A frame goes out in one send (prefix, header and payload parts gathered).
     """
 
-    def __init__(self, sock, buffer_size: int, pending: bytes = b""):
+    def __init__(self, sock, buffer_size: int, pending: bytes = b"",
+                 max_header: int = MAX_HEADER, max_payload: int = MAX_PAYLOAD):
         self.sock = sock
+        # a frame announcing more is refused before anything is allocated for it
+        # (a node's handshake takes a few hundred bytes: server.HANDSHAKE_FRAME)
+        self.max_header, self.max_payload = max_header, max_payload
+        # TLS (an ssl.SSLSocket): no sendmsg, sendfile or SO_RCVLOWAT (see tls.py)
+        self.tls = isinstance(sock, ssl.SSLSocket)
         self._buf = bytearray(max(buffer_size, len(pending)))
         self._buf[:len(pending)] = pending
         self._start, self._end = 0, len(pending)  # unconsumed: _buf[_start:_end]
@@ -108,7 +130,7 @@ class _Framing:
 
     def _sizes(self) -> tuple[int, int]:
         hlen, plen = PREFIX.unpack_from(self._buf, self._start)
-        if hlen > MAX_HEADER or plen > MAX_PAYLOAD:
+        if hlen > self.max_header or plen > self.max_payload:
             raise ProtocolError(f"oversized frame (header {hlen}, payload {plen} bytes)")
         return hlen, plen
 
@@ -167,11 +189,12 @@ class Connection(_Framing):
     It still yields whenever it waits, so a stalled peer can be cancelled or timed out.
     """
 
-    def __init__(self, sock, buffer_size: int = 1 << 20):
+    def __init__(self, sock, buffer_size: int = 1 << 20, max_header: int = MAX_HEADER,
+                 max_payload: int = MAX_PAYLOAD):
         if isinstance(sock, trio.socket.SocketType):
             sock = socket.socket(fileno=sock.detach())
         sock.setblocking(False)
-        super().__init__(sock, buffer_size)
+        super().__init__(sock, buffer_size, max_header=max_header, max_payload=max_payload)
         self.spin = 0.0  # seconds: see _spin_loop
         self.deadline = math.inf  # trio time: see _wait
 
@@ -179,10 +202,10 @@ class Connection(_Framing):
         while True:
             try:
                 n = self.sock.recv_into(view)
-            except BlockingIOError:
+            except _WOULD_BLOCK as e:
                 n = await self._spin_loop(view) if self.spin else None
                 if n is None:
-                    await self._wait(trio.lowlevel.wait_readable)
+                    await self._wait(_waiter(e, trio.lowlevel.wait_readable))
                     continue
             if n == 0:
                 raise EOFError("connection closed by peer")
@@ -217,7 +240,7 @@ class Connection(_Framing):
             await trio.lowlevel.checkpoint()
             try:
                 return recv(view)
-            except BlockingIOError:
+            except _WOULD_BLOCK:
                 pass
         return None
 
@@ -244,14 +267,15 @@ class Connection(_Framing):
             while got < plen:
                 try:
                     n = self.sock.recv_into(view[got:])
-                except BlockingIOError:
+                except _WOULD_BLOCK as e:
                     # wake when the rest is there (what is left, every time: a mark
-                    # above it would never be reached), not at every piece
+                    # above it would never be reached), not at every piece; not under
+                    # TLS, where part of a record may sit in the TLS layer already
                     want = min(plen - got, LOWAT_MAX)
-                    if want != lowat:
+                    if want != lowat and not self.tls:
                         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                         lowat = want
-                    await self._wait(trio.lowlevel.wait_readable)
+                    await self._wait(_waiter(e, trio.lowlevel.wait_readable))
                     continue
                 if n == 0:
                     raise EOFError("connection closed by peer")
@@ -267,6 +291,10 @@ class Connection(_Framing):
         if not isinstance(frame, list):
             await self._sendall(frame)
             return
+        if self.tls:  # (an SSLSocket has no sendmsg)
+            for part in frame:
+                await self._sendall(part)
+            return
         while frame:
             try:
                 self._advance(frame, self.sock.sendmsg(frame))
@@ -278,8 +306,8 @@ class Connection(_Framing):
         while view:
             try:
                 view = view[self.sock.send(view):]
-            except BlockingIOError:
-                await self._wait(trio.lowlevel.wait_writable)
+            except _WOULD_BLOCK as e:
+                await self._wait(_waiter(e, trio.lowlevel.wait_writable))
 
 
 def read_spun(requests, spin: float, watch_fd: int = -1) -> list:
@@ -398,6 +426,10 @@ class BlockingConnection(_Framing):
         if not isinstance(frame, list):
             self.sock.sendall(frame)
             return
+        if self.tls:  # (an SSLSocket has no sendmsg)
+            for part in frame:
+                self.sock.sendall(part)
+            return
         while frame:
             self._advance(frame, self.sock.sendmsg(frame))
 
@@ -421,12 +453,13 @@ def proof(secret: bytes, role: bytes, challenge: bytes) -> bytes:
     return hmac.new(secret, role + challenge, hashlib.sha256).digest()
 
 
-async def server_handshake(conn: Connection, secret: bytes, node: str) -> None:
-    """Raises ProtocolError unless the client proves the secret."""
+async def server_handshake(conn: Connection, secret: bytes) -> None:
+    """Raises ProtocolError unless the client proves the secret. The Hello says
+    nothing of the node (no name: ``Hello.node`` stays empty) to a peer that has not
+    proved anything yet; the caller bounds the time it takes (server.py)."""
     challenge = os.urandom(32)
-    await conn.send(pb.Hello(version=VERSION, challenge=challenge, node=node))
-    with trio.fail_after(HANDSHAKE_TIMEOUT):
-        auth, payload = await conn.recv(pb.Auth)
+    await conn.send(pb.Hello(version=VERSION, challenge=challenge))
+    auth, payload = await conn.recv(pb.Auth)
     if payload or not hmac.compare_digest(auth.proof, proof(secret, b"client", challenge)):
         raise ProtocolError("authentication failed: wrong cluster secret")
     if len(auth.challenge) < 16:
@@ -434,8 +467,8 @@ async def server_handshake(conn: Connection, secret: bytes, node: str) -> None:
     await conn.send(pb.AuthOk(proof=proof(secret, b"node", auth.challenge)))
 
 
-async def client_handshake(conn: Connection, secret: bytes) -> str:
-    """Returns the node's name. Raises ProtocolError if the node does not know the secret."""
+async def client_handshake(conn: Connection, secret: bytes) -> None:
+    """Raises ProtocolError if the node does not know the secret."""
     with trio.fail_after(HANDSHAKE_TIMEOUT):
         hello, _ = await conn.recv(pb.Hello)
         if hello.version != VERSION:
@@ -448,7 +481,6 @@ async def client_handshake(conn: Connection, secret: bytes) -> str:
             raise ProtocolError("the node closed the connection: wrong cluster secret?")
     if not hmac.compare_digest(ok.proof, proof(secret, b"node", mine)):
         raise ProtocolError("the node failed to prove the cluster secret")
-    return hello.node
 
 
 def make_secret(path: str) -> None:

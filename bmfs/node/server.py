@@ -19,9 +19,12 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import queue
 import re
+import socket
+import struct
 import threading
 import time
 
@@ -33,13 +36,20 @@ from ..store.pmem import lock_device, open_store
 from ..wire import node_pb2 as pb
 from .protocol import (ALIGNED, READ_AHEAD, BlockingConnection, Connection, FileRange,
                        ProtocolError, server_handshake)
+from .tls import wrap
 
 log = logging.getLogger(__name__)
 Req = pb.Request  # its enum values as class attributes: pb.Request.Op.X costs ~1 us a lookup
 # small READs of fragment files served in C (native/node_reads.c), or None: all in Python
 READS = optional("bmfs.node._native")
-MAX_CONNECTIONS = 256     # served at once (a thread each); more wait for a slot
+MAX_CONNECTIONS = 256     # served at once (a thread each): see _make_room
+IDLE_TIMEOUT = 300.0      # seconds an authenticated connection may sit silent
+EVICT_IDLE = 1.0          # seconds of silence that let a full node close a connection
+MAX_HANDSHAKES = 64       # handshakes under way at once: see _handle_stream
+HANDSHAKE_DEADLINE = 3.0  # seconds from accept to an authenticated peer (TLS and all)
 HANDSHAKE_BUFFER = 4096   # the event loop only receives the handshake
+HANDSHAKE_FRAME = 512     # bytes of an Auth header at most (it takes ~70); no payload
+REJECT_LOG = 10.0         # seconds between two log lines about rejected connections
 SENDFILE_MIN = 64 << 10   # larger READs are sent from the file with sendfile(2)
 HOT_READS = 3             # small READs of one fragment within HOT_WINDOW seconds
 HOT_WINDOW = 2.0          # that make the node read the fragment whole (see
@@ -48,6 +58,8 @@ HOT_TRACKED = 16384       # fragments whose recent small READs are counted
 FRAGMENT_GUESS = 1 << 20  # bytes a whole-fragment read costs the budget
 WARM_QUEUED = 256         # fragments waiting to be read whole, at most
 _NAME = re.compile(r"[0-9a-f]{16}\.[0-9]+")  # stripe id (hex) . fragment index
+# struct tcp_info (linux/tcp.h): u32 tcpi_last_data_recv (ms since data last came in)
+_LAST_DATA_RECV = struct.Struct("=52xI")
 
 
 class GroupSync:
@@ -90,10 +102,25 @@ class GroupSync:
 
 class NodeServer:
     def __init__(self, name: str, secret: bytes, stores: dict,
-                 read_delay: float = 0.0):
+                 read_delay: float = 0.0, tls=None, idle_timeout: float = IDLE_TIMEOUT,
+                 max_connections: int = MAX_CONNECTIONS,
+                 max_handshakes: int = MAX_HANDSHAKES,
+                 handshake_deadline: float = HANDSHAKE_DEADLINE):
+        """``tls``: an ssl.SSLContext (tls.TlsConfig.context) every connection must
+        complete a TLS handshake with first, or None (plain TCP)."""
         self.name = name
         self.secret = secret
         self.stores = stores
+        self.tls = tls
+        self.idle_timeout = idle_timeout
+        self.max_handshakes = max_handshakes
+        self.handshake_deadline = handshake_deadline
+        # handshakes under way (their cancel scopes, oldest first: _handle_stream), and
+        # the connections served (a thread each: _make_room)
+        self._handshakes: dict[trio.CancelScope, None] = {}
+        self._served: set = set()
+        self._served_lock = threading.Lock()
+        self._rejects_logged_at, self._rejects_unlogged = -math.inf, 0
         # the C path's state (READs it served, the fault flag, PUTs under way, the
         # hot-fragment table), or None: Python serves all, with the table of its own
         self._native = None if READS is None else READS.state(
@@ -101,9 +128,10 @@ class NodeServer:
         self._python_requests = 0
         self.read_delay = read_delay
         self.volume_uuid = None  # told to clients in STAT replies (run_node sets it)
-        self.connections = trio.CapacityLimiter(MAX_CONNECTIONS)
+        self.connections = trio.CapacityLimiter(max_connections)  # (slots: _serve)
+        self._threads = trio.CapacityLimiter(max_connections)  # (one a slot: no wait)
         self._stats = {"connections": 0, "rejected": 0, "requests": 0, "errors": 0,
-                       "fragments_read_whole": 0}
+                       "fragments_read_whole": 0, "evicted": 0}
         self.syncers = {dev: GroupSync(st) for dev, st in stores.items()}
         # fragments being written (files are written in place): a READ of one waits
         # for the write, so it never sees a half-written file (e.g. repair rewriting a
@@ -118,7 +146,8 @@ class NodeServer:
         self._written = threading.Condition()
         # (device, its fragment directory) of the stores whose small READs the C path
         # serves (fragment files; not pools); not while a fault delay is set
-        self.native_reads = () if READS is None else tuple(
+        # Not under TLS: the C path writes to the raw socket.
+        self.native_reads = () if READS is None or tls is not None else tuple(
             (dev, st.fragment_dir.encode()) for dev, st in stores.items()
             if getattr(st, "fragment_dir", None))
 
@@ -147,26 +176,137 @@ class NodeServer:
         await trio.serve_listeners(self._handle_stream, listeners)
 
     async def _handle_stream(self, stream):
-        conn = Connection(stream.socket, HANDSHAKE_BUFFER)
+        """Authenticate a new connection, then serve it (in a thread, _serve).
+
+        Before the peer has proved the cluster secret it gets nothing but a random
+        challenge, may send a frame of HANDSHAKE_FRAME bytes at most, and has
+        ``handshake_deadline`` seconds (for TLS and the proof together). At most
+        ``max_handshakes`` run at once: the oldest is closed to make room for a new
+        one, so a flood of half-open connections holds no slot for long, and a
+        client that completes its handshake in a round trip gets through."""
         self._stats["connections"] += 1
-        try:
-            await server_handshake(conn, self.secret, self.name)
-        except (ProtocolError, EOFError, OSError, trio.TooSlowError) as e:
+        conn = None
+        with trio.move_on_after(self.handshake_deadline) as scope:
+            self._handshakes[scope] = None
+            if len(self._handshakes) > self.max_handshakes:
+                oldest = next(iter(self._handshakes))
+                del self._handshakes[oldest]  # (it runs later: not to be picked again)
+                oldest.cancel()
+            try:
+                conn = await self._authenticate(stream.socket)
+            finally:
+                self._handshakes.pop(scope, None)
+        if conn is None:
             self._stats["rejected"] += 1
-            log.warning("rejected a connection: %s", e)
-            conn.close()
+            if scope.cancelled_caught:
+                self._note_rejected(f"no handshake within {self.handshake_deadline:g} s, "
+                                    f"or {self.max_handshakes} newer ones under way")
             return
-        conn.sock.setblocking(True)
-        blocking = BlockingConnection(conn.sock, pending=conn.pending())
+        await self._serve(conn)
+
+    async def _authenticate(self, sock) -> Connection | None:
+        """The connection once the peer has authenticated (TLS first, if on), or None
+        (it is closed: the peer gets no reason)."""
+        sock = socket.socket(fileno=sock.detach())
+        sock.setblocking(False)
+        try:
+            if self.tls is not None:
+                sock = await wrap(sock, self.tls, server=True)
+            conn = Connection(sock, HANDSHAKE_BUFFER, max_header=HANDSHAKE_FRAME,
+                              max_payload=0)
+            await server_handshake(conn, self.secret)
+            return conn
+        except BaseException as e:
+            sock.close()
+            if not isinstance(e, (ProtocolError, EOFError, OSError)):  # (ssl.SSLError is
+                raise  # an OSError; cancellation: the deadline, or a newer handshake)
+            self._note_rejected(str(e))
+            return None
+
+    def _note_rejected(self, why: str) -> None:
+        """Log a rejected connection: at most one line every REJECT_LOG seconds, with
+        the number left out since (a flood must not fill the disk with its lines)."""
+        now = time.monotonic()
+        self._rejects_unlogged += 1
+        if now - self._rejects_logged_at >= REJECT_LOG:
+            log.warning("rejected a connection: %s (%d rejected since the last such line)",
+                        why, self._rejects_unlogged)
+            self._rejects_logged_at, self._rejects_unlogged = now, 0
+
+    async def _serve(self, conn: Connection) -> None:
+        """Serve an authenticated connection in a thread of its own, once one of
+        ``max_connections`` slots is free: while it waits for one, it closes the
+        connection that has been silent longest every EVICT_IDLE seconds
+        (_make_room)."""
+        slots = self.connections
+        while True:
+            if slots.borrowed_tokens >= slots.total_tokens:
+                self._make_room()
+            with trio.move_on_after(EVICT_IDLE):
+                await slots.acquire_on_behalf_of(conn)
+                break
+        try:
+            await self._serve_in_thread(conn)
+        finally:
+            slots.release_on_behalf_of(conn)
+
+    async def _serve_in_thread(self, conn: Connection) -> None:
+        sock = conn.sock
+        sock.setblocking(True)
+        if self.tls is not None:  # (SO_RCVTIMEO would make SSL retry its read forever)
+            sock.settimeout(self.idle_timeout)
+        else:  # (the kernel's: the C path's blocking recv sees it too)
+            tv = struct.pack("ll", int(self.idle_timeout),
+                             int(self.idle_timeout % 1 * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        blocking = BlockingConnection(sock, pending=conn.pending())
         # abandon_on_cancel: at shutdown the thread may sit in recv; the process exits
         await trio.to_thread.run_sync(self._serve_connection, blocking,
-                                      abandon_on_cancel=True, limiter=self.connections)
+                                      abandon_on_cancel=True, limiter=self._threads)
+
+    def _make_room(self) -> None:
+        """Every slot is taken: close the connection that has been silent longest, if
+        it has for EVICT_IDLE seconds (its thread ends, and its slot goes to a waiting
+        connection), so that idle connections held open (by a peer with the secret,
+        or pools of mounts gone quiet) never lock new clients out. A client whose
+        pooled connection was closed tries a fresh one (transport/tcp.py)."""
+        with self._served_lock:
+            served = list(self._served)
+        idlest, most = None, EVICT_IDLE * 1000
+        for conn in served:
+            try:
+                ms, = _LAST_DATA_RECV.unpack_from(conn.sock.getsockopt(
+                    socket.IPPROTO_TCP, socket.TCP_INFO, _LAST_DATA_RECV.size))
+            except OSError:  # (closed meanwhile)
+                continue
+            if ms >= most:
+                idlest, most = conn, ms
+        if idlest is not None:
+            self._stats["evicted"] += 1
+            log.info("closing a connection idle for %.1f s: all %d slots are taken",
+                     most / 1000, self.connections.total_tokens)
+            try:  # (the socket's own shutdown: an SSLSocket's would drop its TLS state
+                # under the thread that reads it)
+                socket.socket.shutdown(idlest.sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _serve_connection(self, conn: BlockingConnection) -> None:
-        """Serve one authenticated connection until it closes (in its own thread).
+        """Serve one authenticated connection until it closes, or is silent for
+        ``idle_timeout`` (in its own thread).
         Small READs of fragment files are served by the C path when it is built
         (native/node_reads.c: ~25 us of CPU where Python took ~110); it leaves every
         other frame to the Python path as it was received."""
+        with self._served_lock:
+            self._served.add(conn)
+        try:
+            self._serve_frames(conn)
+        finally:
+            with self._served_lock:
+                self._served.discard(conn)
+
+    def _serve_frames(self, conn: BlockingConnection) -> None:
         roots = self.native_reads
         try:
             while True:
@@ -183,6 +323,8 @@ class NodeServer:
                 self._python_requests += 1
                 self._serve_one(conn, req, payload)
         except EOFError:
+            pass
+        except (TimeoutError, BlockingIOError):  # silent for idle_timeout
             pass
         except ProtocolError as e:
             self._stats["errors"] += 1
@@ -330,7 +472,8 @@ class NodeServer:
                 raise ValueError("read larger than 64 MiB")
             if (req.device, name) in self._writing:
                 self._wait_written((req.device, name))
-            if sum(n for _, n in ranges) > SENDFILE_MIN and hasattr(store, "extent"):
+            if sum(n for _, n in ranges) > SENDFILE_MIN and hasattr(store, "extent") \
+                    and self.tls is None:  # (sendfile would bypass TLS)
                 parts = self._file_ranges(store, name, ranges)
             else:
                 parts = store.read_parts(name, ranges)
@@ -380,9 +523,10 @@ class NodeServer:
 
 async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict[int, str],
                    volume_uuid: str, ready=None, read_delay: float = 0.0,
-                   meta: str | None = None, advertise: str | None = None) -> None:
+                   meta: str | None = None, advertise: str | None = None,
+                   tls=None) -> None:
     """Serve ``devices`` on ``host:port`` until cancelled, each locked for this process
-    (lock_device). With ``meta`` (etcd, this volume's), keep a leased membership record
+    (lock_device), over TLS if ``tls`` (a tls.TlsConfig) is given. With ``meta`` (etcd, this volume's), keep a leased membership record
     there, and announce ``advertise`` (default: the address listened on, unless that
     is a wildcard) as the devices' node address, beside serving (membership.announce)."""
     locks = []
@@ -395,7 +539,8 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
             if fd >= 0:
                 os.close(fd)
         raise
-    server = NodeServer(name, secret, stores, read_delay=read_delay)
+    server = NodeServer(name, secret, stores, read_delay=read_delay,
+                        tls=tls and tls.context(server=True))
     server.volume_uuid = volume_uuid
     kv = None
     try:
@@ -419,7 +564,7 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
                 else:
                     if advertise:  # (beside serving: etcd may be slow or unreachable)
                         nursery.start_soon(announce, kv, stores, advertise, volume_uuid,
-                                           secret)
+                                           secret, 12, tls and tls.context(server=False))
                     await nursery.start(keep_registered, kv, name,
                                         advertise or f"{host}:{bound}", stores)
             if ready:

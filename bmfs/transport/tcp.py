@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 
 import trio
@@ -22,6 +23,7 @@ import trio
 from ..config import microseconds_setting
 from ..node.protocol import (CLIENT, Connection, ProtocolError, client_handshake,
                              read_spun)
+from ..node.tls import wrap
 from ..wire import node_pb2 as pb
 from . import DeviceError, TooSlow
 
@@ -75,8 +77,12 @@ class _Node:
 
 class TcpTransport:
     def __init__(self, devices: dict[int, str], secret: bytes, timeout: float = 10.0,
-                 pool: int = 8):
+                 pool: int = 8, tls=None):
+        """``tls``: an ssl.SSLContext (node/tls.py: TlsConfig.context) for connections
+        to nodes that require TLS, or None (plain TCP). Under TLS small reads are not
+        taken in C (native/client_reads.c writes to the raw socket)."""
         self.secret = secret
+        self.tls = tls
         self.timeout = timeout
         self.pool = pool
         self.nodes = {addr: _Node(addr) for addr in set(devices.values())}
@@ -130,6 +136,10 @@ class TcpTransport:
             try:
                 await sock.connect((node.host, node.port))
                 sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+                sock = socket.socket(fileno=sock.detach())
+                sock.setblocking(False)
+                if self.tls is not None:
+                    sock = await wrap(sock, self.tls, server=False)
             except BaseException:
                 sock.close()
                 raise
@@ -299,7 +309,8 @@ class TcpTransport:
         self._inflight += len(reads)
         try:
             first, spun = True, ()
-            if CLIENT is not None and SPIN and self._inflight == len(reads) and \
+            if CLIENT is not None and self.tls is None and SPIN and \
+                    self._inflight == len(reads) and \
                     not self.side_by_side and all(_small(r[2]) for r in reads):
                 first = self._read_spun(reads, own, deadline, out, sent)
                 spun = {item[0] for item in sent}  # (sent in C, replies still owed)
@@ -446,12 +457,13 @@ class TcpTransport:
             node.idle.clear()
 
 
-async def stat_device(address: str, dev: int, secret: bytes, timeout: float = 5.0) -> dict:
+async def stat_device(address: str, dev: int, secret: bytes, timeout: float = 5.0,
+                      tls=None) -> dict:
     """STAT device ``dev`` at the node at ``address`` through a connection of its own
     (a volume's transport is left as it is): the node's usage reply, whose "volume"
     names the volume it serves (nodes of before that field: absent). Raises
     DeviceError, OSError or trio.TooSlowError when the node does not answer for it."""
-    probe = TcpTransport({dev: address}, secret, timeout=timeout)
+    probe = TcpTransport({dev: address}, secret, timeout=timeout, tls=tls)
     try:
         with trio.fail_after(timeout):
             return await probe.stat(dev)

@@ -601,7 +601,8 @@ async def _check_node(volume, address: str, device: int) -> None:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise Invalid(f"a node address is HOST:PORT, not {address!r}")
     try:
-        info = await stat_device(address, device, volume.transport.secret)
+        info = await stat_device(address, device, volume.transport.secret,
+                                 tls=volume.transport.tls)
     except (DeviceError, OSError, trio.TooSlowError) as e:
         raise Invalid(f"the node at {address} does not serve device {device} ({e}); "
                       f"start it with: bmfs node serve --device {device}=PATH ... (a new "

@@ -276,8 +276,15 @@ def _tcp_transport(path, info, records):
         secret = read_secret(secret_file)
     except OSError as e:
         raise VolumeError(f"{path}: cannot read the cluster secret {secret_file}: {e.strerror}")
+    tls = None
+    if info.get("tls") is not None:  # node connections over TLS (node/tls.py)
+        from ..node.tls import TlsConfig
+        try:
+            tls = TlsConfig.from_json(info["tls"], path).context(server=False)
+        except (ValueError, OSError) as e:  # (ssl.SSLError is an OSError)
+            raise VolumeError(f"{path}: the tls section of {VOLUME_FILE}: {e}") from e
     return TcpTransport({dev: rec["node"] for dev, rec in records.items()
-                         if not rec.get("removed")}, secret)
+                         if not rec.get("removed")}, secret, tls=tls)
 
 
 async def _upgrade(kv, path: str) -> dict:

@@ -42,6 +42,12 @@ class MountOptions:
     entry_timeout: float = 1.0
     allow_other: bool = True
     read_ahead_kb: int = 4096
+    # mount(8)'s options (bmfs/cli/mount.py parses them; docs/operations.md)
+    read_only: bool = False
+    atime: str = "relatime"   # or "strictatime", "noatime"
+    dev: bool = True          # device files usable (root's mounts only: FUSE forces
+    suid: bool = True         # nodev and nosuid on other users' mounts)
+    exec: bool = True
 
 
 MAX_NAME = 255

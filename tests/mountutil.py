@@ -146,3 +146,26 @@ def delete_snapshot_left_to_collect(volume, name):
             "trio.run(main)\n")
     return subprocess.run([sys.executable, "-c", code, str(volume), name], check=True,
                           capture_output=True, text=True).stdout
+
+
+SITTER = """
+import json, os, sys
+os.chdir(sys.argv[1])
+fd = os.open(".", os.O_RDONLY)
+sys.stdout.write("in\\n"); sys.stdout.flush()
+sys.stdin.readline()  # the directory is removed meanwhile
+out = {"nlink": os.stat(".").st_nlink, "fnlink": os.fstat(fd).st_nlink}
+os.chdir("..")
+out["up"] = os.stat(".").st_ino
+print(json.dumps(out))
+"""
+
+
+def sit_in(path) -> subprocess.Popen:
+    """A process whose working directory is ``path`` (and which holds it open), waiting
+    for a line on stdin; then it prints (JSON) st_nlink of stat(".") and of fstat, and
+    the inode number of the directory chdir("..") took it to."""
+    p = subprocess.Popen([sys.executable, "-c", SITTER, str(path)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "in\n", p.stderr.read()
+    return p

@@ -868,3 +868,104 @@ def test_files_a_crashed_mount_held_unlinked_are_freed_together(tmp_path):
         await vol.aclose()
         assert problems == [], problems
     trio.run(next_mount)
+
+
+def test_a_removed_directory_the_kernel_holds_still_answers(tmp_path):
+    """A directory removed (rmdir, or replaced by a rename) while the kernel holds it
+    (a process sits in it, a descriptor is open on it) answers as on a local disk
+    until the kernel forgets it: st_nlink 0, `..` the directory it was in, its mode
+    can change; nothing is created in it; nothing of it is left in the metadata (the
+    fsck at the end)."""
+    async def t(fs):
+        p = await fs.mkdir(ROOT, b"p", 0o755, 0, 0)
+        d = await fs.mkdir(p.ino, b"d", 0o750, 0, 0)
+        fs.held.saw(d)  # what the front end does when a reply gives the kernel d
+        await fs.rmdir(p.ino, b"d")
+        a = await fs.getattr(d.ino)
+        assert (a.nlink, stat.S_ISDIR(a.mode), a.mode & 0o777) == (0, True, 0o750)
+        assert (await fs.lookup(d.ino, b"..")).ino == p.ino
+        assert (await fs.lookup(d.ino, b".")).ino == d.ino
+        assert await fs.readdir(d.ino, dots=True) == []  # (as ext4 lists it)
+        assert (await fs.setattr(d.ino, mode=0o700)).mode & 0o777 == 0o700
+        assert (await fs.getattr(d.ino)).mode & 0o777 == 0o700
+        with raises(errno.ENOENT):
+            await fs.mkdir(d.ino, b"x", 0o755, 0, 0)
+        with raises(errno.ENOENT):
+            await fs.lookup(d.ino, b"x")
+        fs.held.forgot(d.ino)  # the kernel's forget
+        with raises(errno.ENOENT):
+            await fs.getattr(d.ino)
+        # replaced by a rename while held; the one removed without being held is gone
+        a1 = await fs.mkdir(p.ino, b"a", 0o755, 0, 0)
+        b1 = await fs.mkdir(p.ino, b"b", 0o755, 0, 0)
+        c1 = await fs.mkdir(p.ino, b"c", 0o755, 0, 0)
+        fs.held.saw(await fs.getattr(b1.ino))
+        await fs.rename(p.ino, b"a", p.ino, b"b")
+        assert (await fs.getattr(b1.ino)).nlink == 0
+        assert (await fs.lookup(p.ino, b"b")).ino == a1.ino
+        await fs.rmdir(p.ino, b"c")
+        with raises(errno.ENOENT):
+            await fs.getattr(c1.ino)
+    run(t, tmp_path)
+
+
+def test_listings_have_dot_and_dotdot(tmp_path):
+    async def t(fs):
+        p = await fs.mkdir(ROOT, b"p", 0o755, 0, 0)
+        await write_file(fs, p.ino, b"f", b"x")
+        ents = await fs.readdir(p.ino, dots=True)
+        assert [(n, a.ino) for n, a in ents[:2]] == [(b".", p.ino), (b"..", ROOT)]
+        assert [n for n, _ in ents[2:]] == [b"f"]
+        root = await fs.readdir(ROOT, dots=True)
+        assert [(n, a.ino) for n, a in root[:2]] == [(b".", ROOT), (b"..", ROOT)]
+        assert [n for n, _ in await fs.readdir(p.ino)] == [b"f"]  # (the vfs's own callers)
+        await fs.control.run({"op": "branch_create", "name": "x"})
+        broot = await fs.lookup((await fs.lookup(ROOT, b".bm")).ino, b"branches")
+        x = await fs.lookup(broot.ino, b"x")
+        assert [(n, a.ino) for n, a in (await fs.readdir(x.ino, dots=True))[:2]] == \
+            [(b".", x.ino), (b"..", broot.ino)]
+        assert (await fs.lookup(x.ino, b"..")).ino == broot.ino
+    run(t, tmp_path)
+
+
+def test_atime_follows_relatime_noatime_strictatime_and_read_only(tmp_path):
+    day = 24 * 3600 * 10**9
+
+    async def read(fs, ino):
+        await read_file(fs, ino)
+        return (await fs.getattr(ino)).atime_ns
+
+    async def t(fs):
+        ino = await write_file(fs, ROOT, b"f", b"data")
+        a = await fs.getattr(ino)
+        await fs.setattr(ino, atime_ns=a.mtime_ns - 10**9)  # read before its last write
+        first = await read(fs, ino)
+        assert first > a.mtime_ns
+        assert await read(fs, ino) == first  # relatime: once per change
+        old = (await fs.getattr(ino)).ctime_ns
+        await fs.setattr(ino, atime_ns=first - 2 * day, mtime_ns=first - 3 * day)
+        # (the ctime moved on with that setattr: the rule compares it too)
+        assert await read(fs, ino) > old
+        d = await fs.mkdir(ROOT, b"d", 0o755, 0, 0)
+        await fs.setattr(d.ino, atime_ns=d.mtime_ns - 10**9)
+        await fs.readdir(d.ino, dots=True)  # a listing (opendir)
+        assert (await fs.getattr(d.ino)).atime_ns > d.mtime_ns
+        fs.atime = "noatime"
+        await fs.setattr(ino, atime_ns=1)
+        assert await read(fs, ino) == 1
+        fs.atime = "strictatime"
+        t1 = await read(fs, ino)
+        await trio.sleep(0.01)  # (the kernel's coarse clock ticks at least every 4 ms)
+        assert await read(fs, ino) > t1 > 1
+        fs.atime, fs.read_only = "relatime", True
+        await fs.files.truncate(fs.views.get(0), ino, 4)  # (a write: vfs below the check)
+        before = (await fs.getattr(ino)).atime_ns
+        assert await read(fs, ino) == before
+        for op in (fs.mkdir(ROOT, b"e", 0o755, 0, 0), fs.unlink(ROOT, b"f"),
+                   fs.setattr(ino, mode=0o600), fs.open(ino, os.O_WRONLY),
+                   fs.rename(ROOT, b"f", ROOT, b"g"), fs.setxattr(ino, b"user.a", b"1")):
+            with raises(errno.EROFS):
+                await op
+        fs.read_only = False
+        await fs.unlink(ROOT, b"f")
+    run(t, tmp_path)

@@ -2,17 +2,20 @@
 import errno
 import fcntl
 import hashlib
+import functools
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
 from fragments import on_device
 from mountutil import (Mounted, assert_fsck_clean, bmfs, delete_snapshot_left_to_collect,
-                       fragment_count, wait_collected, write_stored)
+                       fragment_count, sit_in, wait_collected, write_stored)
 
 
 def sh(cmd, **kw):
@@ -509,4 +512,193 @@ def test_deleted_trees_are_freed_in_the_background(volume, tmp_path):
     assert "still to collect" in r.stdout
     with Mounted(volume, mp):
         wait_collected(mp, volume, before)
+    assert_fsck_clean(volume)
+
+
+@pytest.fixture
+def mnt_uncached(volume, tmp_path):
+    """A mount whose kernel caches nothing (--timeout 0): every stat reaches the daemon."""
+    with Mounted(volume, tmp_path / "mnt", "--timeout", "0") as m:
+        yield m
+
+
+def test_a_removed_directory_still_in_use_answers(mnt_uncached, tmp_path):
+    """A process whose working directory another removes keeps stat(".") (st_nlink 0)
+    and chdir(".."), as on ext4; so does a descriptor of a directory replaced by a
+    rename. A crash while one is in use leaves fsck nothing to find."""
+    m = mnt_uncached.mp
+    os.makedirs(f"{m}/p/d")
+    up = os.stat(f"{m}/p").st_ino
+    p = sit_in(f"{m}/p/d")
+    os.rmdir(f"{m}/p/d")
+    out, _ = p.communicate("go\n", timeout=60)
+    assert p.returncode == 0
+    assert json.loads(out) == {"nlink": 0, "fnlink": 0, "up": up}
+    os.mkdir(f"{m}/p/a")
+    os.mkdir(f"{m}/p/b")
+    fd = os.open(f"{m}/p/b", os.O_RDONLY)
+    try:
+        os.rename(f"{m}/p/a", f"{m}/p/b")
+        st = os.fstat(fd)
+        assert (st.st_nlink, stat.S_ISDIR(st.st_mode)) == (0, True)
+    finally:
+        os.close(fd)
+    os.makedirs(f"{m}/q/d")
+    p = sit_in(f"{m}/q/d")
+    try:
+        os.rmdir(f"{m}/q/d")
+        mnt_uncached.kill9()
+    finally:
+        p.kill()
+        p.wait()
+    assert_fsck_clean(mnt_uncached.volume)
+
+
+def _getdents(path) -> list[tuple[bytes, int]]:
+    """(name, inode number) of every entry getdents64(2) gives, dots included."""
+    import ctypes
+    import struct
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    buf = ctypes.create_string_buffer(1 << 16)
+    out = []
+    try:
+        while (n := libc.syscall(217, fd, buf, len(buf))) > 0:  # SYS_getdents64
+            raw, pos = buf.raw[:n], 0
+            while pos < n:
+                ino, _, reclen = struct.unpack_from("<QqH", raw, pos)
+                out.append((raw[pos + 19:pos + reclen].split(b"\0")[0], ino))
+                pos += reclen
+        assert n == 0, os.strerror(ctypes.get_errno())
+    finally:
+        os.close(fd)
+    return out
+
+
+def test_listings_have_dot_and_dotdot(mnt):
+    m = mnt.mp
+    os.makedirs(f"{m}/p/q")
+    open(f"{m}/p/f", "w").close()
+    ents = _getdents(f"{m}/p")
+    assert ents[:2] == [(b".", os.stat(f"{m}/p").st_ino), (b"..", os.stat(m).st_ino)]
+    assert sorted(n for n, _ in ents[2:]) == [b"f", b"q"]
+    assert _getdents(m)[:2] == [(b".", 1), (b"..", 1)]
+    assert sh(f"ls -a {m}/p").stdout.split() == [".", "..", "f", "q"]
+    mnt.umount()
+    assert_fsck_clean(mnt.volume)
+
+
+def _atime_after_read(path) -> int:
+    with open(path, "rb") as f:
+        f.read()
+    return os.stat(path).st_atime_ns
+
+
+def test_atime_relatime_by_default_noatime_and_strictatime(volume, tmp_path):
+    mp = tmp_path / "m"
+    with Mounted(volume, mp) as mnt:
+        f = f"{mnt.mp}/f"
+        with open(f, "wb") as fh:
+            fh.write(b"data")
+        st = os.stat(f)
+        first = _atime_after_read(f)  # served from the page cache the write filled
+        assert first > st.st_mtime_ns and first >= st.st_atime_ns
+        assert _atime_after_read(f) == first  # relatime: once per change
+        day = 24 * 3600 * 10**9
+        os.utime(f, ns=(first - 2 * day, first - 3 * day))
+        assert _atime_after_read(f) > first - day  # a day old: updated
+        before = os.stat(mnt.mp).st_atime_ns
+        os.utime(mnt.mp, ns=(before - 2 * day, before - 3 * day))
+        os.listdir(mnt.mp)
+        assert os.stat(mnt.mp).st_atime_ns > before - day  # a directory listed
+        os.utime(f, ns=(1, 10**9))
+    with Mounted(volume, mp, "-o", "noatime") as mnt:
+        assert _atime_after_read(f"{mnt.mp}/f") == 1
+    with Mounted(volume, mp, "-o", "strictatime") as mnt:
+        a1 = _atime_after_read(f"{mnt.mp}/f")
+        time.sleep(0.01)  # (the kernel's coarse clock ticks at least every 4 ms)
+        assert _atime_after_read(f"{mnt.mp}/f") > a1 > 1
+    assert_fsck_clean(volume)
+
+
+def _mount_options(mp) -> set[str]:
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == str(mp):
+                return set(fields[5].split(","))
+    raise AssertionError(f"{mp} is not mounted")
+
+
+def _helper_env():
+    if not os.path.exists("/sbin/mount.fuse.bmfs"):
+        pytest.skip("tools/setup.sh installs /sbin/mount.fuse.bmfs")
+    return dict(os.environ, PATH=os.path.dirname(sys.executable) + ":" + os.environ["PATH"])
+
+
+def test_remount_ro_and_rw_through_mount(volume, tmp_path):
+    """`mount -o remount,ro` and back to rw on a live mount: the kernel's flag and the
+    daemon's (no atime written while read-only); bad options are one-line errors."""
+    env = _helper_env()
+    mp = tmp_path / "m"
+    mp.mkdir()
+    run = functools.partial(subprocess.run, capture_output=True, text=True, env=env)
+    # (mount(8) itself resolves ro,rw to rw, the last, as for any filesystem)
+    r = bmfs("mount", mp, "--volume", volume, "-o", "ro,rw", check=False)
+    assert r.returncode == 2 and "contradictory mount options: ro and rw" in r.stderr
+    r = run(["mount", "-t", "fuse.bmfs", "-o", "bogus", str(volume), str(mp)])
+    assert r.returncode != 0 and "unknown mount option 'bogus'" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = run(["mount", "-t", "fuse.bmfs", "-o", "remount,ro", str(volume), str(tmp_path)])
+    assert r.returncode != 0 and "is not a bmfs mount" in r.stderr, r
+    subprocess.run(["mount", "-t", "fuse.bmfs", str(volume), str(mp)], check=True, env=env)
+    try:
+        (mp / "f").write_bytes(b"written")
+        os.utime(mp / "f", ns=(1, 10**9))
+        r = run(["mount", "-o", "remount,ro", str(mp)])
+        assert r.returncode == 0, r.stderr
+        assert "ro" in _mount_options(mp)
+        with pytest.raises(OSError) as e:
+            (mp / "g").write_bytes(b"no")
+        assert e.value.errno == errno.EROFS
+        assert (mp / "f").read_bytes() == b"written"
+        assert os.stat(mp / "f").st_atime_ns == 1  # (read-only: the atime stays)
+        r = run(["mount", "-o", "remount,rw", str(mp)])
+        assert r.returncode == 0, r.stderr
+        assert "rw" in _mount_options(mp)
+        (mp / "g").write_bytes(b"yes")
+        assert _atime_after_read(mp / "f") > 1
+    finally:
+        bmfs("umount", mp)
+    assert_fsck_clean(volume)
+
+
+def test_mount_table_names_the_volume(mnt):
+    """The mount's source is the volume's path, its type fuse.bmfs: `findmnt VOLUME`
+    finds it, and the commands that look a mount up by its volume too."""
+    with open("/proc/self/mountinfo") as f:
+        line = next(ln for ln in f if ln.split()[4] == mnt.mp)
+    assert line.split(" - ")[1].split()[:2] == ["fuse.bmfs", mnt.volume]
+    r = sh(f"findmnt -n -o TARGET {mnt.volume}")
+    assert r.stdout.strip() == mnt.mp
+    st = json.loads(bmfs("status", "--json", mnt.volume).stdout)
+    assert st["mountpoint"] == mnt.mp  # asked through the mount, found by its volume
+
+
+def test_device_files_follow_nodev(volume, tmp_path):
+    """A root mount takes dev by default (device nodes work, as on a local disk);
+    -o nodev refuses to open them."""
+    mp = tmp_path / "m"
+    with Mounted(volume, mp) as mnt:
+        assert "nodev" not in _mount_options(mnt.mp)
+        node = f"{mnt.mp}/null"
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        with open(node, "wb") as f:
+            assert f.write(b"into the void") == 13
+        with open(node, "rb") as f:
+            assert f.read() == b""
+    with Mounted(volume, mp, "-o", "nodev") as mnt:
+        assert "nodev" in _mount_options(mnt.mp)
+        with pytest.raises(PermissionError):
+            open(f"{mnt.mp}/null", "rb")
     assert_fsck_clean(volume)

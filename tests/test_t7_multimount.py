@@ -19,7 +19,7 @@ from bmfs.fuse.mount import GC_INTERVAL
 from bmfs.proc import alive
 
 from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
-from mountutil import Mounted, bmfs, mkfs
+from mountutil import Mounted, bmfs, mkfs, sit_in
 from multimount import etcd_volume, run_worker, wait_until
 
 
@@ -449,3 +449,28 @@ def test_deferred_frees_of_many_small_files_go_together(etcd_cluster, tmp_path, 
         # hands) and for the records falling due over two sweeps
         assert spent <= 20, spent
         assert os.listdir(a.mp) == [] and os.listdir(b.mp) == []
+
+
+def test_a_directory_removed_through_another_mount_while_in_use_here(etcd_cluster,
+                                                                      tmp_path):
+    """A process sits in a directory of mount b; mount a removes it (rmdir, or a rename
+    over it): the process's stat(".") and fstat give st_nlink 0 and chdir("..") takes
+    it to the directory it was in, as on a local disk (not ENOENT)."""
+    with etcd_volume(etcd_cluster, tmp_path, 2) as (a, b):
+        for i, remove in enumerate((lambda: os.rmdir(f"{a.mp}/p1/d"),
+                                    lambda: os.rename(f"{a.mp}/p2/new", f"{a.mp}/p2/d"))):
+            p = f"p{i + 1}"
+            os.makedirs(f"{a.mp}/{p}/d")
+            if i:
+                os.mkdir(f"{a.mp}/{p}/new")
+            wait_until(lambda: os.path.isdir(f"{b.mp}/{p}/d"), 10)
+            up = os.stat(f"{b.mp}/{p}").st_ino
+            proc = sit_in(f"{b.mp}/{p}/d")
+            old = os.stat(f"{b.mp}/{p}/d").st_ino
+            remove()
+            # b's kernel drops what it cached of d when b's watch sees the change
+            wait_until(lambda: not os.path.exists(f"{b.mp}/{p}/d") or
+                       os.stat(f"{b.mp}/{p}/d").st_ino != old, 10)
+            out, err = proc.communicate("go\n", timeout=60)
+            assert proc.returncode == 0, err
+            assert json.loads(out) == {"nlink": 0, "fnlink": 0, "up": up}

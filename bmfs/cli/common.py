@@ -15,16 +15,27 @@ def run_trio(fn, *args):
     return trio.run(fn, *args)
 
 
+def _unescape(field: str) -> str:
+    """A field of /proc/self/mountinfo: space, tab, newline and backslash are octal
+    escapes there (\\040...)."""
+    import re
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 def mounts() -> list[dict]:
-    """bmfs mounts from /proc/self/mountinfo: mountpoint, source, dev (major:minor)."""
+    """bmfs mounts from /proc/self/mountinfo: mountpoint, source, volume (the source:
+    the volume's path; ``bmfs:PATH`` in mounts an older bmfs made), dev (major:minor)
+    and options (the mount's own flags: ro, nodev, relatime...)."""
     out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             left, right = line.split(" - ", 1)
             lf, rf = left.split(), right.split()
             if rf[0] == "fuse.bmfs":
-                out.append({"mountpoint": lf[4].replace("\\040", " "), "dev": lf[2],
-                            "source": rf[1]})
+                source = _unescape(rf[1])
+                out.append({"mountpoint": _unescape(lf[4]), "dev": lf[2], "source": source,
+                            "volume": source.removeprefix("bmfs:"),
+                            "options": lf[5].split(",")})
     return out
 
 

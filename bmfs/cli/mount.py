@@ -1,8 +1,10 @@
 """bmfs mount / umount / mount-helper (the mount.fuse.bmfs entry point)."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +24,9 @@ def add_parser(sub):
     p.add_argument("--ec", default="4+2", help="erasure code when creating the default volume")
     p.add_argument("--timeout", type=cache_seconds, default=1.0,
                    help="kernel attribute cache seconds (0 to 3600, default 1)")
+    p.add_argument("-o", dest="options", default="",
+                   help="mount options, comma-separated: ro, rw, relatime (default), "
+                   "strictatime, noatime, dev, nodev, suid, nosuid, exec, noexec")
     p.add_argument("--ready-fd", type=int, help=argparse_suppress())
     p.set_defaults(func=run)
 
@@ -55,7 +60,6 @@ def cache_seconds(text: str) -> float:
 
 
 def _check_mountpoint(mp):
-    import errno
     import stat
     try:
         # statfs is never answered from the kernel's caches: a mount whose daemon is
@@ -83,11 +87,14 @@ def run(args) -> int:
         run_trio(mkfs, volume, k, m)
     if args.mountpoint and not os.path.exists(mp) and args.volume is None:
         os.makedirs(mp, exist_ok=True)
+    flags, remount, _ = parse_options(args.options)
+    if remount:
+        raise UserError("bmfs mount does not remount: use mount -o remount,... MOUNTPOINT")
     _check_mountpoint(mp)
     from ..vfs.volume import read_volume_file
     read_volume_file(volume)  # a missing or foreign volume fails here, in one line
     opts = MountOptions(branch=args.branch, attr_timeout=args.timeout,
-                        entry_timeout=args.timeout)
+                        entry_timeout=args.timeout, **flags)
     if args.foreground:
         return _serve(volume, mp, opts, args.ready_fd)
     return _spawn(volume, mp, args)
@@ -136,8 +143,8 @@ def _serve(volume, mp, opts, ready_fd) -> int:
 def _spawn(volume, mp, args) -> int:
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "bmfs.cli.main", "mount", mp, "--volume", volume,
-           "--branch", args.branch, "--timeout", str(args.timeout), "--foreground",
-           "--ready-fd", str(w)]
+           "--branch", args.branch, "--timeout", str(args.timeout), "-o", args.options,
+           "--foreground", "--ready-fd", str(w)]
     log = open(os.path.join(volume, "mount.log"), "ab")
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             pass_fds=(w,), start_new_session=True)
@@ -175,19 +182,7 @@ def run_umount(args) -> int:
     m = find_mount(mp)
     if not m:
         raise UserError(f"{mp} is not a bmfs mount")
-    pid = None
-    volume = m["source"].split(":", 1)[1] if m["source"].startswith("bmfs:") else None
-    if volume:
-        from ..fuse.mount import pid_file
-        for path in (pid_file(volume, mp), os.path.join(volume, "mount.pid")):
-            try:
-                with open(path) as f:
-                    words = f.read().split()
-                if words[1:2] == [mp]:  # several mounts of one volume: find this one's
-                    pid = int(words[0])
-                    break
-            except (OSError, ValueError, IndexError):
-                pass
+    pid = _daemon_pid(m["volume"], mp)
     res = subprocess.run(["fusermount3", "-u", mp], capture_output=True, text=True)
     if res.returncode != 0:
         raise UserError(res.stderr.strip() or f"could not unmount {mp}")
@@ -208,6 +203,20 @@ def run_umount(args) -> int:
     return 0
 
 
+def _daemon_pid(volume: str, mp: str) -> int | None:
+    """The pid the daemon serving ``mp`` recorded in the volume (None if none)."""
+    from ..fuse.mount import pid_file
+    for path in (pid_file(volume, mp), os.path.join(volume, "mount.pid")):
+        try:
+            with open(path) as f:
+                words = f.read().split()
+            if words[1:2] == [mp]:  # several mounts of one volume: find this one's
+                return int(words[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return None
+
+
 def _serves(pid: int, mp: str) -> bool:
     """Whether process ``pid`` is a mount daemon of ``mp`` (by its command line)."""
     try:
@@ -220,15 +229,155 @@ def _serves(pid: int, mp: str) -> bool:
                                    for a in args if a)
 
 
+# mount(8)'s options that bmfs takes: option -> (MountOptions field, value)
+_FLAGS = {"ro": ("read_only", True), "rw": ("read_only", False),
+          "relatime": ("atime", "relatime"), "strictatime": ("atime", "strictatime"),
+          "noatime": ("atime", "noatime"),
+          "dev": ("dev", True), "nodev": ("dev", False),
+          "suid": ("suid", True), "nosuid": ("suid", False),
+          "exec": ("exec", True), "noexec": ("exec", False)}
+# options for mount(8), fstab or systemd (x-*, comment=* too), or that mount(8) hands
+# back from the mount table at a remount (libfuse's: user_id=, group_id=...)
+_NOT_OURS = {"defaults", "auto", "noauto", "user", "nouser", "users", "owner", "group",
+             "_netdev", "nofail", "async", "default_permissions", "allow_other"}
+_NOT_OURS_PREFIXES = ("x-", "comment=", "user_id=", "group_id=", "fsname=", "subtype=")
+
+
+def parse_options(text: str) -> tuple[dict, bool, str | None]:
+    """``-o`` options: (MountOptions fields they set, whether it is a remount, the
+    branch= given or None).
+
+    At a remount mount(8) puts the mount's current options before ``remount`` (ro
+    or rw merged with the one asked for) and the others asked for after it: those
+    win. An atime rule is taken only from after it: the mount table shows relatime
+    for a strictatime mount (libfuse cannot ask the kernel for strictatime).
+
+    Raises:
+        UserError: an unknown option, or two asked for that contradict each other
+        (ro,rw).
+    """
+    flags, said, remount, branch = {}, {}, False, None
+    for o in filter(None, text.split(",")):
+        if o == "remount":
+            remount, said = True, {}
+            flags.pop("atime", None)
+        elif o.startswith("branch="):
+            branch = o.split("=", 1)[1]
+        elif o in _FLAGS:
+            field, value = _FLAGS[o]
+            if field in said and flags[field] != value:
+                raise UserError(f"contradictory mount options: {said[field]} and {o}")
+            flags[field], said[field] = value, o
+        elif o not in _NOT_OURS and not o.startswith(_NOT_OURS_PREFIXES):
+            raise UserError(f"unknown mount option {o!r} (bmfs takes: "
+                            f"{', '.join(_FLAGS)}, branch=NAME)")
+    return flags, remount, branch
+
+
 def run_helper(args) -> int:
     """mount(8) calls: mount.fuse.bmfs VOLUME MOUNTPOINT -o opts"""
-    branch = "main"
-    for o in args.options.split(","):
-        if o.startswith("branch="):
-            branch = o.split("=", 1)[1]
+    flags, remount, branch = parse_options(args.options)
+    if remount:
+        return _remount(os.path.abspath(args.mountpoint), flags)
     cmd = [sys.executable, "-m", "bmfs.cli.main", "mount", args.mountpoint, "--volume",
-           args.volume, "--branch", branch]
+           args.volume, "--branch", branch or "main", "-o",
+           ",".join(o for o in args.options.split(",") if o in _FLAGS)]
     return subprocess.call(cmd)
+
+
+# mount(2) flags (linux/mount.h)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MS_STRICTATIME = 1024, 2048, 1 << 21, 1 << 24
+REMOUNT_WAIT = 10.0  # seconds the daemon has to take a remount up
+
+
+def _remount(mp: str, flags: dict) -> int:
+    """``mount -o remount,...``: change a live mount's flags (the kernel's, with
+    mount(2) MS_REMOUNT) and tell its daemon (read-only, atime rule). To rw the
+    daemon is told first, to ro last: the kernel stores what it caches (syncfs) as it
+    turns read-only, which the daemon must still take."""
+    m = find_mount(mp)
+    if m is None:
+        raise UserError(f"{mp} is not a bmfs mount")
+    pid = _daemon_pid(m["volume"], mp)
+    if pid is None or not _serves(pid, mp):
+        raise UserError(f"no running bmfs daemon serves {mp}")
+    if not _catches(pid, signal.SIGUSR1):
+        raise UserError(f"the daemon serving {mp} (pid {pid}) cannot take a remount up "
+                        f"(an older bmfs): unmount and mount again")
+    cur = set(m["options"])
+    told = {k: v for k, v in flags.items() if k in ("read_only", "atime")}
+    to_rw = "ro" in cur and flags.get("read_only") is False
+    if to_rw:
+        _tell(m["volume"], mp, pid, told)
+    try:
+        _kernel_remount(mp, _mount_flags(cur, flags))
+    except UserError:
+        if to_rw:
+            _tell(m["volume"], mp, pid, {"read_only": True})
+        raise
+    if told and not to_rw:
+        _tell(m["volume"], mp, pid, told)
+    return 0
+
+
+def _mount_flags(cur: set, flags: dict) -> int:
+    """mount(2) flags of a remount: ``flags`` (MountOptions fields) over the mount's
+    current ones ``cur`` (its options in mountinfo), which a remount would reset."""
+    out = MS_REMOUNT
+    if flags.get("read_only", "ro" in cur):
+        out |= MS_RDONLY
+    for field, bit, off in (("suid", MS_NOSUID, "nosuid"), ("dev", MS_NODEV, "nodev"),
+                            ("exec", MS_NOEXEC, "noexec")):
+        if not flags.get(field, off not in cur):
+            out |= bit
+    atime = flags.get("atime") or ("noatime" if "noatime" in cur else
+                                   "relatime" if "relatime" in cur else "strictatime")
+    out |= {"noatime": MS_NOATIME, "relatime": MS_RELATIME,
+            "strictatime": MS_STRICTATIME}[atime]
+    if "nodiratime" in cur:
+        out |= MS_NODIRATIME
+    return out
+
+
+def _kernel_remount(mp: str, flags: int) -> None:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(None, mp.encode(), None, ctypes.c_ulong(flags), None) != 0:
+        err = ctypes.get_errno()
+        hint = " (a file is open for writing)" if err == errno.EBUSY else \
+            " (only root can remount)" if err == errno.EPERM else ""
+        raise UserError(f"cannot remount {mp}: {os.strerror(err)}{hint}")
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for signal ``sig`` (/proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _tell(volume: str, mp: str, pid: int, told: dict) -> None:
+    """Give the daemon serving ``mp`` its new options (fuse/mount.py _remounts) and
+    wait until it has taken them up."""
+    from ..fuse.mount import remount_file
+    path = remount_file(volume, mp)
+    with open(path + ".tmp", "w") as f:
+        json.dump(told, f)
+    os.replace(path + ".tmp", path)
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + REMOUNT_WAIT
+    while os.path.exists(path):
+        if time.monotonic() > deadline:
+            os.unlink(path)
+            raise UserError(f"the daemon serving {mp} (pid {pid}) did not take the "
+                            f"remount up in {REMOUNT_WAIT:g} s; see {volume}/mount.log")
+        time.sleep(0.01)
 
 
 __all__ = ["mounts", "json"]

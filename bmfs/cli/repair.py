@@ -37,7 +37,7 @@ def _mount_of(target: str | None):
     if m:
         return m["mountpoint"]
     for mm in mounts():
-        if mm["source"] == f"bmfs:{target}":
+        if mm["volume"] == target:
             return mm["mountpoint"]
     return None
 

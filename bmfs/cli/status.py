@@ -21,7 +21,7 @@ def run(args) -> int:
     if m is None:
         # a volume that is mounted is asked through its mount (it owns the metadata)
         for mm in mounts():
-            if mm["source"] == f"bmfs:{target}":
+            if mm["volume"] == target:
                 m = mm
     if m is not None:
         st = control(m["mountpoint"], "status")

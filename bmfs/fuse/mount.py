@@ -14,6 +14,7 @@ that dead mounts held unlinked-but-open (vfs/session.py).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ import trio
 from ..config import MountOptions
 from ..errors import FsError
 from ..vfs import gc, session
-from ..vfs.fs import FileSystem
+from ..vfs.fs import ATIME_MODES, FileSystem
 from ..vfs.volume import Volume
 from ..vfs.watch import Watcher, watch_devices
 from .idle import idle_spin_setting
@@ -55,13 +56,8 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
         shared = hasattr(volume.kv, "grant_lease")  # etcd: other mounts change devices
         volume.kv.enable_write_behind()  # etcd: commit behind (docs/etcd.md)
         ops = Operations(fs, opts.attr_timeout, idle_spin_setting())
-        fuse_options = set(pyfuse3.default_options)
-        fuse_options.discard("default_permissions")
-        fuse_options |= {f"fsname=bmfs:{os.path.abspath(volume_path)}", "subtype=bmfs",
-                         "default_permissions"}
-        if opts.allow_other:
-            fuse_options.add("allow_other")
-        pyfuse3.init(ops, mountpoint, fuse_options)
+        fs.read_only, fs.atime = opts.read_only, opts.atime
+        pyfuse3.init(ops, mountpoint, fuse_options(volume_path, opts))
         _watch_requests(volume.transport)
         pidfiles = [pid_file(volume_path, mountpoint), os.path.join(volume_path, "mount.pid")]
         try:
@@ -70,6 +66,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                 # before the first request: other mounts' changes from now on are seen
                 await nursery.start(Watcher(fs).run)
                 await nursery.start(session.keep_alive, fs, mountpoint)
+                await nursery.start(_remounts, fs, remount_file(volume_path, mountpoint))
                 if shared:
                     # a drain that looked for mounts before this one's record was put
                     # did not wait for it: take up any mark it made, now that drains
@@ -108,6 +105,67 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
             await volume.aclose()
         finally:
             _set_handlers(handlers)
+
+
+def fuse_options(volume_path: str, opts: MountOptions) -> set[str]:
+    """The options of the kernel mount: the volume's path as its source and ``bmfs``
+    as its subtype (``findmnt VOLUME``; type ``fuse.bmfs``), and mount(8)'s flags.
+    libfuse mounts nosuid,nodev unless told ``suid``/``dev``, which only root may."""
+    # (libfuse splits options at commas: one in the path is escaped)
+    source = os.path.abspath(volume_path).replace("\\", "\\\\").replace(",", "\\,")
+    out = {f"fsname={source}", "subtype=bmfs", "default_permissions"}
+    if opts.allow_other:
+        out.add("allow_other")
+    if opts.read_only:
+        out.add("ro")
+    if opts.atime == "noatime":
+        out.add("noatime")
+    if not opts.exec:
+        out.add("noexec")
+    if os.geteuid() == 0:
+        out |= {"dev"} if opts.dev else set()
+        out |= {"suid"} if opts.suid else set()
+    return out
+
+
+def remount_file(volume_path: str, mountpoint: str) -> str:
+    """Where ``bmfs mount-helper -o remount,...`` puts the new options for the daemon
+    serving ``mountpoint`` (see _remounts)."""
+    return pid_file(volume_path, mountpoint)[:-len(".pid")] + ".remount"
+
+
+async def _remounts(fs, path: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Take up remounts: on SIGUSR1, read the options the mount helper put in ``path``
+    (JSON: ``read_only``, ``atime``, either left out if unchanged), apply them, and
+    delete the file, which tells the helper they are in force. Only a process allowed to signal the daemon (root, or
+    the user who mounted) can ask. The helper checks that the daemon catches SIGUSR1
+    (a daemon that does not would die of it), so it is caught from before the mount
+    is ready. Without the main thread (no signals there) it returns at once."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        task_status.started()
+        return
+    with trio.open_signal_receiver(signal.SIGUSR1) as sigs:
+        task_status.started()
+        async for _ in sigs:
+            try:
+                with open(path) as f:
+                    req = json.load(f)
+                read_only = bool(req.get("read_only", fs.read_only))
+                atime = req.get("atime", fs.atime)
+                if atime not in ATIME_MODES:
+                    raise ValueError(f"unknown atime mode {atime!r}")
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError, AttributeError) as e:
+                log.warning("remount: unusable request in %s: %s", path, e)
+                continue
+            fs.read_only, fs.atime = read_only, atime
+            log.info("remounted: %s, %s", "ro" if read_only else "rw", atime)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 _STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

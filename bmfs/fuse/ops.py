@@ -111,8 +111,9 @@ class KernelNotifier:
     vfs's open files: close-to-open bookkeeping) when the kernel got or dropped one.
     """
 
-    def __init__(self, files=None):
+    def __init__(self, files=None, held=None):
         self.files = files
+        self.held = held  # the vfs's HeldDirs: directories the kernel holds
         self.names: dict[int, set[tuple[int, bytes]]] = {}  # names the kernel holds
         self.lookups: dict[int, int] = {}                   # the kernel's lookup counts
         self.dirs: set[int] = set()
@@ -124,6 +125,8 @@ class KernelNotifier:
         self.lookups[a.ino] = self.lookups.get(a.ino, 0) + 1
         if stat.S_ISDIR(a.mode):
             self.dirs.add(a.ino)
+            if self.held is not None:
+                self.held.saw(a)
         if self.files is not None:
             self.files.client_saw(a.ino, a.mode, a.size, a.mtime_ns, a.ctime_ns)
 
@@ -135,6 +138,8 @@ class KernelNotifier:
         self.lookups.pop(fino, None)
         self.names.pop(fino, None)
         self.dirs.discard(fino)
+        if self.held is not None:
+            self.held.forgot(fino)
         if self.files is not None:
             self.files.client_forgot(fino)
 
@@ -146,6 +151,11 @@ class KernelNotifier:
         await trio.to_thread.run_sync(self._call, pyfuse3.invalidate_inode, fino)
         for parent, name in list(self.names.get(fino, ())):
             await self.entry(parent, name)
+
+    async def attributes(self, fino: int) -> None:
+        """Drop the kernel's cached attributes of ``fino`` (not its pages)."""
+        if self.holds(fino):
+            await trio.to_thread.run_sync(self._call, pyfuse3.invalidate_inode, fino, True)
 
     async def entry(self, parent: int, name: bytes) -> None:
         await trio.to_thread.run_sync(self._call, pyfuse3.invalidate_entry, parent, name)
@@ -237,7 +247,7 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.fs = fs
         self.idle = IdleSpin(idle_spin)  # its task is the mount's (fuse/mount.py)
-        self.notifier = fs.notify = KernelNotifier(fs.files)
+        self.notifier = fs.notify = KernelNotifier(fs.files, fs.held)
         self.timeout = timeout
         self.supports_dot_lookup = True
         self.enable_acl = False
@@ -358,7 +368,7 @@ class Operations(pyfuse3.Operations):
 
     @translate
     async def opendir(self, inode, ctx):
-        entries = await self.fs.readdir(inode)
+        entries = await self.fs.readdir(inode, dots=True)
         dh = self._next_dh
         self._next_dh += 1
         self._dirs[dh] = entries
@@ -378,7 +388,8 @@ class Operations(pyfuse3.Operations):
                 continue  # removed since opendir
             if not pyfuse3.readdir_reply(token, name, self._e(a), i + 1):
                 break
-            self.notifier.saw(self._dir_ino.get(fh, 0), name, a)
+            if name not in (b".", b".."):  # (the kernel takes no lookup of those)
+                self.notifier.saw(self._dir_ino.get(fh, 0), name, a)
 
     @translate
     async def releasedir(self, fh):

@@ -309,6 +309,9 @@ class Files:
             except BaseException:
                 await self.release(fh)
                 raise
+        elif not created and (flags & os.O_ACCMODE) != os.O_WRONLY:
+            # (a read served from the kernel's page cache never reaches the daemon)
+            await self.fs.accessed(view, ino, i, tell_kernel=True)
         return fh
 
     async def _alloc_sid(self) -> int:
@@ -789,6 +792,7 @@ class Files:
             if i is None:
                 raise NotFound()
             cache[2] = i
+        await self.fs.accessed(of.view, of.ino, i)
         fsize = i.size if of.size is None else max(i.size, of.size)
         end = min(offset + size, fsize)
         if offset >= end:

@@ -26,7 +26,8 @@ from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.records import Inode
 from .files import Files, unclaimed
-from .views import (CTL_FILE, CTL_NAME, CTL_ROOT, CTL_VIEW,
+from .held import HeldDirs
+from .views import (CTL_BRANCHES, CTL_FILE, CTL_NAME, CTL_ROOT, CTL_SNAPSHOTS, CTL_VIEW,
                     INO_MASK, VIEW_SHIFT, Views)
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class Attr:
     atime_ns: int = 0
     mtime_ns: int = 0
     ctime_ns: int = 0
+    parent: int = 0  # directories: the one holding it (0: the root of its tree)
 
 
 GONE_KEPT = 4096  # freed inodes remembered (FileSystem.freed)
@@ -53,7 +55,22 @@ GONE_KEPT = 4096  # freed inodes remembered (FileSystem.freed)
 
 def _attr(fino: int, i: Inode) -> Attr:
     return Attr(fino, i.mode, i.nlink, i.uid, i.gid, i.rdev, i.size, i.atime_ns, i.mtime_ns,
-                i.ctime_ns)
+                i.ctime_ns, fino & ~INO_MASK | i.parent if i.parent else 0)
+
+
+def now_ns() -> int:
+    """The time the kernel stamps files with (its coarse clock): the times of the
+    writes it caches come from it, so a file created or read here is never stamped
+    after a write the kernel makes to it later (which relatime compares)."""
+    return time.clock_gettime_ns(CLOCK_REALTIME_COARSE)
+
+
+CLOCK_REALTIME_COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)  # (Linux's number)
+COARSE_TICK = 10**7  # ns: how far the coarse clock may lag the fine one (a tick, <= 10 ms)
+
+
+ATIME_MODES = ("relatime", "strictatime", "noatime")
+RELATIME_AGE = 24 * 3600 * 10**9  # relatime: an atime older than this is updated anyway
 
 
 def check_name(name: bytes) -> None:
@@ -88,6 +105,12 @@ class FileSystem:
         # (view id, ino) -> the last inodes freed here, as they were (see setattr)
         self.gone = LRU(GONE_KEPT)
         self._parsed_heads: dict[str, tuple[bytes, int]] = {}  # branch -> (record, head)
+        # removed directories the kernel still holds answer from here (held.py)
+        self.held = HeldDirs()
+        # the mount's options (fuse/mount.py sets them, and again on a remount): a
+        # read-only mount refuses changes with EROFS and keeps atimes as they are
+        self.read_only = False
+        self.atime = "relatime"
 
     @classmethod
     async def create(cls, volume, branch: str = "main") -> "FileSystem":
@@ -106,6 +129,8 @@ class FileSystem:
         back to it later (setattr)."""
         gone = self.gone.put((view.id, ino), i.copy())
         gone.nlink = 0
+        if i.is_dir():
+            self.held.removed(self.join(view, ino), gone)
 
     def defers_free(self, view) -> bool:
         """Whether a file of ``view`` whose last name goes (and last handle here closes)
@@ -184,6 +209,12 @@ class FileSystem:
             raise NotDir()
         return i
 
+    def check_writable(self) -> None:
+        """EROFS on a read-only mount (the kernel refuses first; this holds for
+        requests already under way at a remount, and for other front ends)."""
+        if self.read_only:
+            raise ReadOnly("the mount is read-only")
+
     @staticmethod
     def _touch(i: Inode, now: int, m=True, c=True):
         if m:
@@ -195,12 +226,31 @@ class FileSystem:
     async def getattr(self, fino: int) -> Attr:
         if fino >> VIEW_SHIFT == CTL_VIEW:
             return self.control.getattr(fino)
-        view, ino = self.split(fino)
-        i = await self._get(self.kv.begin(), view.chain, ino)
+        try:
+            view, ino = self.split(fino)
+            i = await self._get(self.kv.begin(), view.chain, ino)
+        except NotFound:
+            a = self.held.dead(fino)  # a removed directory still in use (held.py)
+            if a is None:
+                raise
+            return a
         self.files.overlay(view, ino, i)
         if not view.writable and not stat.S_ISLNK(i.mode):  # symlinks are always 0777
             i.mode &= ~0o222
-        return _attr(fino, i)
+        a = _attr(fino, i)
+        if i.is_dir():
+            self.held.answered(a)
+        return a
+
+    def _up(self, a: Attr) -> int:
+        """The directory holding directory ``a``: the root's is itself, the root of a
+        branch or snapshot under /.bm is /.bm/branches or /.bm/snapshots."""
+        if a.parent:
+            return a.parent
+        view = a.ino >> VIEW_SHIFT
+        if view == 0 or view == CTL_VIEW:
+            return CTL_ROOT if a.ino in (CTL_BRANCHES, CTL_SNAPSHOTS) else 1
+        return CTL_BRANCHES if self.views.get(view).kind == "branch" else CTL_SNAPSHOTS
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
         if len(name) > MAX_NAME:
@@ -214,7 +264,7 @@ class FileSystem:
         if name == b".":
             return await self.getattr(parent)
         if name == b"..":
-            return await self.getattr(self.join(view, (await self._get(txn, view.chain, ino)).parent or 1))
+            return await self.getattr(self._up(await self.getattr(parent)))
         ent = await ns.lookup(txn, view.chain, ino, name)
         if ent is None and await self.kv.barrier():  # close-to-open for names too: a
             txn = self.kv.begin()                     # file just closed on another mount
@@ -232,16 +282,33 @@ class FileSystem:
             raise Invalid("not a symlink")
         return t
 
-    async def readdir(self, fino: int) -> list[tuple[bytes, Attr]]:
-        """Every entry of a directory (names and types only in the Attr)."""
+    async def readdir(self, fino: int, dots: bool = False) -> list[tuple[bytes, Attr]]:
+        """Every entry of a directory (names and types only in the Attr); with
+        ``dots``, ``.`` and ``..`` first (POSIX readdir; a removed directory still in
+        use lists nothing, as on a local disk). A listing sets the directory's atime
+        (see ``accessed``)."""
         if fino >> VIEW_SHIFT == CTL_VIEW:
-            return await self.control.readdir(fino)
-        view, ino = self.split(fino)
-        await self.kv.barrier()  # opendir, like open: see what other mounts closed
-        txn = self.kv.begin()
-        await self._dir(txn, view.chain, ino)
-        return [(name, Attr(self.join(view, cino), fmt))
-                for name, cino, fmt in await ns.list_dir(txn, view.chain, ino)]
+            ents = await self.control.readdir(fino)
+            a = self.control.getattr(fino)
+        else:
+            view, ino = self.split(fino)
+            await self.kv.barrier()  # opendir, like open: see what other mounts closed
+            txn = self.kv.begin()
+            try:
+                d = await self._dir(txn, view.chain, ino)
+            except NotFound:
+                if dots and self.held.dead(fino) is not None:
+                    return []
+                raise
+            ents = [(name, Attr(self.join(view, cino), fmt))
+                    for name, cino, fmt in await ns.list_dir(txn, view.chain, ino)]
+            a = _attr(fino, d)
+            if dots:
+                await self.accessed(view, ino, d)
+        if not dots:
+            return ents
+        return [(b".", Attr(fino, stat.S_IFDIR)),
+                (b"..", Attr(self._up(a), stat.S_IFDIR))] + ents
 
     async def statfs(self) -> dict:
         """Capacity as user data: raw space x k/(k+m). Devices sharing one filesystem
@@ -261,12 +328,55 @@ class FileSystem:
                 "bfree": free * k // (k + m) // 4096,
                 "files": 1 << 40, "ffree": 1 << 40, "namemax": MAX_NAME}
 
+    # -- access times -----------------------------------------------------------------------
+    def _atime_due(self, view, i: Inode, now: int) -> bool:
+        """Whether a read of ``i`` now moves its atime, by the mount's rule: relatime
+        (the default) if the atime is not after the mtime or the ctime, or is a day
+        old; strictatime always; noatime, a read-only mount or a snapshot never."""
+        if self.read_only or not view.writable or self.atime == "noatime":
+            return False
+        if self.atime == "strictatime":
+            return i.atime_ns < now
+        return (i.atime_ns <= i.mtime_ns or i.atime_ns <= i.ctime_ns
+                or now - i.atime_ns >= RELATIME_AGE)
+
+    async def accessed(self, view, ino: int, i: Inode, tell_kernel: bool = False) -> None:
+        """``ino`` (stored as ``i``) is being read or listed: set its atime if the
+        rule says so, in a transaction of its own (under relatime, once per change of
+        the file or per day: most reads cost nothing). ``tell_kernel``: drop the
+        kernel's cached attributes after (it does so itself after a READ or READDIR
+        request, not after an open). A failure is logged, never the read's."""
+        now = now_ns()
+        if not self._atime_due(view, i, now):
+            return
+
+        async def fn(txn, chain):
+            cur = await ns.get_inode(txn, chain, ino)
+            if cur is None or not self._atime_due(view, cur, now):
+                return None
+            # never before the change it reads, stamped by a finer clock within the
+            # coarse one's tick (a time set in the future is not followed)
+            last = max(cur.mtime_ns, cur.ctime_ns) + 1
+            cur.atime_ns = max(now, last) if last - now < COARSE_TICK else now
+            await ns.put_inode(txn, chain, ino, cur)
+            return cur.atime_ns
+        try:
+            atime = await self.mutate(view, fn)
+        except FsError as e:
+            log.warning("could not set the atime of inode %d: %s", ino, e)
+            return
+        if atime is not None:
+            i.atime_ns = atime
+        if atime is not None and tell_kernel and hasattr(self.notify, "attributes"):
+            await self.notify.attributes(self.join(view, ino))
+
     # -- creating ---------------------------------------------------------------------------
     async def _make(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
                     rdev: int = 0, target: bytes | None = None) -> Attr:
         check_name(name)
         if parent >> VIEW_SHIFT == CTL_VIEW:
             raise Perm("the control directory cannot hold files")
+        self.check_writable()
         view, pino = self.split(parent)
         ino = await self._alloc_ino()
         self.kv.known_empty((keys.inode(ino) + b"@", keys.dir_prefix(ino), keys.chunk_prefix(ino),
@@ -277,7 +387,7 @@ class FileSystem:
             if await ns.lookup(txn, chain, pino, name) is not None or \
                     (pino == 1 and view.id == 0 and name == CTL_NAME):
                 raise Exists()
-            now = time.time_ns()
+            now = now_ns()
             g, md = gid, mode
             if p.mode & stat.S_ISGID:
                 g = p.gid
@@ -313,6 +423,7 @@ class FileSystem:
 
     async def link(self, fino: int, new_parent: int, name: bytes) -> Attr:
         check_name(name)
+        self.check_writable()
         view, ino = self.split(fino)
         pview, pino = self.split(new_parent)
         if pview is not view:
@@ -375,6 +486,7 @@ class FileSystem:
             raise Invalid()
         if name == b"..":
             raise NotEmpty()
+        self.check_writable()
 
         async def fn(txn, chain):
             p = await self._dir(txn, chain, pino)
@@ -409,6 +521,7 @@ class FileSystem:
             raise Invalid("unsupported rename flags")
         if CTL_VIEW in (p1 >> VIEW_SHIFT, p2 >> VIEW_SHIFT):
             raise Perm("use `bmfs branch` commands for the control directory")
+        self.check_writable()
         v1, d1 = self.split(p1)
         v2, d2 = self.split(p2)
         if v1 is not v2:
@@ -497,6 +610,8 @@ class FileSystem:
         if fino >> VIEW_SHIFT == CTL_VIEW:
             raise Perm("the control directory cannot be changed")
         view, ino = self.split(fino)
+        if mode is not None or uid is not None or gid is not None or size is not None:
+            self.check_writable()  # (times: what the kernel writes back of its cache)
         if size is not None:
             return await self.files.truncate(view, ino, size, mtime_ns, ctime_ns)
         if mode is None and uid is None and gid is None and atime_ns is None and \
@@ -530,6 +645,10 @@ class FileSystem:
             # still dirty). A file that is gone has no times to keep; refusing them
             # made the kernel record ENOENT as a writeback error of the filesystem,
             # and the next syncfs(2) (`sync -f`) on it failed with it.
+            a = self.held.change(fino, mode=mode, uid=uid, gid=gid, atime_ns=atime_ns,
+                                 mtime_ns=mtime_ns, ctime_ns=ctime_ns)
+            if a is not None:  # a removed directory still in use (held.py)
+                return a
             gone = self.gone.get((view.id, ino))
             if gone is None or mode is not None or uid is not None or gid is not None:
                 raise
@@ -571,6 +690,7 @@ class FileSystem:
         self._xname(name)
         if len(value) > 65536:
             raise Range("extended attribute values are limited to 64 KiB")
+        self.check_writable()
         view, ino = self.split(fino)
 
         async def fn(txn, chain):
@@ -590,6 +710,7 @@ class FileSystem:
         if fino >> VIEW_SHIFT == CTL_VIEW:
             raise Perm()
         self._xname(name)
+        self.check_writable()
         view, ino = self.split(fino)
 
         async def fn(txn, chain):
@@ -613,6 +734,8 @@ class FileSystem:
             return self.control.open()
         if fino >> VIEW_SHIFT == CTL_VIEW:
             raise IsDir()
+        if (flags & os.O_ACCMODE) != os.O_RDONLY or flags & os.O_TRUNC:
+            self.check_writable()
         return await self.files.open(fino, flags)
 
     async def volume_gc(self) -> int:

@@ -149,7 +149,8 @@ class KV(abc.ABC):
         """The stored bytes of ``key``, unchecked (format upgrades, fsck)."""
         return (await self._get_fresh(key))[0]
 
-    async def raw_range(self, start: bytes, end: bytes, limit: int = 0) -> list[tuple[bytes, bytes]]:
+    async def raw_range(self, start: bytes, end: bytes,
+                        limit: int = 0) -> list[tuple[bytes, bytes]]:
         """The stored ``(key, bytes)`` in [start, end), unchecked (fsck)."""
         return [(k, v) for k, v, _ in await self._range(start, end, limit)]
 

@@ -43,7 +43,7 @@ def seal(key: bytes, value) -> bytes:
 def is_sealed(key: bytes, raw: bytes) -> bool:
     """Whether ``raw`` is a value sealed under ``key``."""
     n = len(raw) - SEAL_BYTES
-    return n >= 0 and _CRC.unpack_from(raw, n)[0] == crc32c(memoryview(raw)[:n], crc32c(key))
+    return n >= 0 and _CRC.unpack_from(raw, n)[0] == crc32c(raw[:n], crc32c(key))
 
 
 def unseal(key: bytes, raw: bytes) -> bytes:
@@ -53,9 +53,11 @@ def unseal(key: bytes, raw: bytes) -> bytes:
         MetaDamaged: the checksum does not match (logged once per key and process:
             the mount's log is where an operator finds which record is damaged).
     """
-    if not is_sealed(key, raw):
+    n = len(raw) - SEAL_BYTES
+    payload = raw[:n]
+    if n < 0 or int.from_bytes(raw[n:], "little") != crc32c(payload, crc32c(key)):
         raise damaged(key)
-    return raw[:-SEAL_BYTES]
+    return payload
 
 
 def damaged(key: bytes) -> MetaDamaged:

@@ -2,9 +2,10 @@
 
 First every metadata record's checksum (bmfs/kv/seal.py), whatever its key, and the
 engine's own store (SQLite: its quick check, ``full=True`` its integrity check); a
-check below that meets a damaged record reports it and stops there. Then, per live tree (every branch and snapshot): each entry points at an inode;
-every inode is reachable; link counts match entries (files) and 2 + subdirectories
-(directories); directories know their parent; slices point at stripes. Across trees:
+check below that meets a damaged record reports it and stops there. Then, per live
+tree (every branch and snapshot): each entry points at an inode; every inode is
+reachable; link counts match entries (files) and 2 + subdirectories (directories);
+directories know their parent; slices point at stripes. Across trees:
 each stripe's reference count equals the number of stored slice lists that mention
 it; every fragment of an erasure-coded stripe is on its device with a valid header
 (``full=True`` also verifies every block checksum); no device holds fragment files

@@ -48,6 +48,17 @@ IOFailure = _make("IOFailure", _errno.EIO, "Data could not be read or written.")
 Unavailable = _make("Unavailable", _errno.EIO, "The metadata store or too many devices are unreachable.")
 
 
+class MetaDamaged(FsError):
+    """A metadata record fails its checksum (``key``: which one), or the metadata store
+    itself is damaged (``key`` None): EIO for the operation that read it, never content."""
+
+    errno = _errno.EIO
+
+    def __init__(self, message: str, key: bytes | None = None):
+        super().__init__(message)
+        self.key = key
+
+
 class Conflict(Exception):
     """A transaction's compare-and-swap failed; the caller retries (see kv.transact)."""
 

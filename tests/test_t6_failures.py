@@ -15,6 +15,7 @@ import json
 import os
 import random
 import shutil
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -354,37 +355,37 @@ def test_mount_of_missing_or_foreign_volume_dir(tmp_path):
 
 def _volume_format(volume, set_to=None) -> int:
     """The format revision in the volume's settings (after writing ``set_to``, if given:
-    a volume made by an older or a newer bmfs)."""
-    import trio
-
-    from bmfs.kv import open_kv
-    from bmfs.meta import keys
-
-    async def main():
-        kv = await open_kv(f"sqlite:{volume}/meta.db")
+    a volume made by an older bmfs, in its encoding (tests/oldformat.py), or by a
+    newer one)."""
+    from oldformat import stored_format, to_previous_format
+    if set_to is not None and set_to < 3:
+        to_previous_format(volume, set_to)
+    elif set_to is not None:
+        db = sqlite3.connect(os.path.join(volume, "meta.db"))
         try:
-            d = json.loads(await kv.get(keys.SETTINGS))
-            if set_to is not None:
-                d["format"] = set_to
-                txn = kv.begin()
-                txn.put(keys.SETTINGS, json.dumps(d).encode())
-                await kv.commit(txn)
-            return d["format"]
+            from bmfs.kv.seal import SEAL_BYTES, seal
+            from bmfs.meta import keys
+            (v,) = db.execute("SELECT v FROM kv WHERE k=?", (keys.SETTINGS,)).fetchone()
+            d = json.loads(v[:-SEAL_BYTES])
+            d["format"] = set_to
+            db.execute("UPDATE kv SET v=? WHERE k=?",
+                       (seal(keys.SETTINGS, json.dumps(d).encode()), keys.SETTINGS))
+            db.commit()
         finally:
-            await kv.aclose()
-    return trio.run(main)
+            db.close()
+    return stored_format(volume)[0]
 
 
 def test_volume_format_revisions(tmp_path):
-    """A volume of the previous format revision is read by status and fsck as it is, and
+    """A volume of an earlier format revision is read by status and fsck as it is, and
     upgraded by the first mount (so older bmfs refuses it from then on); one of an
     unknown revision is refused by every command with one line, and nothing in it is
-    lost."""
+    lost. (tests/test_t6_meta_checksums.py upgrades one with files of every kind.)"""
     from bmfs.meta import keys
     vol, mp = tmp_path / "vol", tmp_path / "mp"
     mp.mkdir()
     mkfs(vol)
-    assert _volume_format(vol) == keys.FORMAT_REVISION == 2
+    assert _volume_format(vol) == keys.FORMAT_REVISION == 3
     with Mounted(vol, mp):
         (mp / "kept").write_bytes(b"x" * 100_000)
     _volume_format(vol, set_to=1)      # as made before fragment revision 2
@@ -394,18 +395,18 @@ def test_volume_format_revisions(tmp_path):
     with Mounted(vol, mp):
         assert (mp / "kept").read_bytes() == b"x" * 100_000
         (mp / "new").write_bytes(b"y" * 100_000)
-    assert _volume_format(vol) == 2    # the mount upgraded it
-    assert "upgraded to 2" in (vol / "mount.log").read_text()
+    assert _volume_format(vol) == 3    # the mount upgraded it
+    assert "upgraded to 3" in (vol / "mount.log").read_text()
 
-    _volume_format(vol, set_to=3)      # made by a newer bmfs
+    _volume_format(vol, set_to=4)      # made by a newer bmfs
     for cmd in (["mount", mp, "--volume", vol], ["fsck", vol], ["fsck", vol, "--repair"],
                 ["status", vol], ["repair", vol]):
         res = bmfs(*cmd, check=False)
         assert res.returncode == 2, (cmd, res.returncode, res.stderr)
-        assert "format revision 3" in one_line_error(res), cmd
+        assert "format revision 4" in one_line_error(res), cmd
     assert not is_mounted(mp)
-    assert _volume_format(vol) == 3
-    _volume_format(vol, set_to=2)
+    assert _volume_format(vol) == 4
+    _volume_format(vol, set_to=3)
     with Mounted(vol, mp):
         assert (mp / "kept").read_bytes() == b"x" * 100_000
         assert (mp / "new").read_bytes() == b"y" * 100_000

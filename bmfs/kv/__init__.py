@@ -11,6 +11,13 @@ Engines implement five primitives (``_get``, ``_range``, ``_commit``, ``sync``,
 ``aclose``) and may add ``watch``. Everything else (retries, range reads merged with
 a transaction's own writes) is written once here.
 
+Checksums: every value is stored sealed (bmfs/kv/seal.py: a crc32c of key and value
+after it), sealed by ``Txn.put`` and checked wherever a value is read (``get``,
+``range``, a transaction's reads, watch events); a value that fails its check raises
+:class:`~bmfs.errors.MetaDamaged` (EIO). Engines store and return sealed values as
+they are. ``sealed`` is False only while a volume of a format revision before
+checksums is read as it is (``bmfs status``, ``bmfs fsck`` without ``--repair``).
+
 Freshness: an engine may answer reads inside a transaction from a cache (etcd does,
 bmfs/kv/etcd_cache.py): the commit compares every revision read, so a stale read can
 only make it conflict and retry. Reads of a transaction that is never committed
@@ -25,7 +32,8 @@ from typing import Awaitable, Callable, TypeVar
 
 import trio
 
-from ..errors import Conflict, Unavailable
+from ..errors import Conflict, FsError, Unavailable
+from . import seal as _seal
 
 T = TypeVar("T")
 
@@ -80,6 +88,8 @@ class KV(abc.ABC):
     # a transaction during which nothing else committed needs no compare at all.
     single_writer: bool = False
     commits: int = 0
+    # values carry checksums (see the module doc); False: an older volume, read as it is
+    sealed: bool = True
 
     # -- primitives an engine implements ---------------------------------------------
     @abc.abstractmethod
@@ -113,6 +123,41 @@ class KV(abc.ABC):
     def begin(self) -> "Txn":
         return Txn(self)
 
+    def seal(self, key: bytes, value) -> bytes:
+        """``value`` as stored under ``key`` (with its checksum)."""
+        return _seal.seal(key, value) if self.sealed else bytes(value)
+
+    def unseal(self, key: bytes, raw: bytes) -> bytes:
+        """The value stored as ``raw`` under ``key``.
+
+        Raises:
+            MetaDamaged: its checksum does not match (logged, once per key).
+        """
+        return _seal.unseal(key, raw) if self.sealed else raw
+
+    def unseal_change(self, key: bytes, raw: bytes | None) -> bytes | None:
+        """A watched change's value; one that fails its check is logged and reported as
+        a deletion, so watchers drop what they hold and whoever reads it gets EIO."""
+        if raw is None or not self.sealed:
+            return raw
+        try:
+            return _seal.unseal(key, raw)
+        except FsError:
+            return None
+
+    async def raw_get(self, key: bytes) -> bytes | None:
+        """The stored bytes of ``key``, unchecked (format upgrades, fsck)."""
+        return (await self._get_fresh(key))[0]
+
+    async def raw_range(self, start: bytes, end: bytes,
+                        limit: int = 0) -> list[tuple[bytes, bytes]]:
+        """The stored ``(key, bytes)`` in [start, end), unchecked (fsck)."""
+        return [(k, v) for k, v, _ in await self._range(start, end, limit)]
+
+    def check_store(self, full: bool) -> list[str]:
+        """Problems the engine finds in its own store (fsck); ``full``: look at all of it."""
+        return []
+
     async def _get_fresh(self, key: bytes) -> tuple[bytes | None, int]:
         """Like ``_get``, bypassing any read cache the engine keeps."""
         return await self._get(key)
@@ -143,10 +188,11 @@ class KV(abc.ABC):
 
     async def get(self, key: bytes) -> bytes | None:
         """Latest committed value, outside any transaction (never from a cache)."""
-        return (await self._get_fresh(key))[0]
+        v = (await self._get_fresh(key))[0]
+        return None if v is None else self.unseal(key, v)
 
     async def range(self, start: bytes, end: bytes, limit: int = 0) -> list[tuple[bytes, bytes]]:
-        return [(k, v) for k, v, _ in await self._range(start, end, limit)]
+        return [(k, self.unseal(k, v)) for k, v, _ in await self._range(start, end, limit)]
 
     async def commit(self, txn: "Txn") -> None:
         if txn.writes:
@@ -200,7 +246,8 @@ class KV(abc.ABC):
 
 
 class Txn:
-    """An optimistic transaction: records read revisions, buffers writes."""
+    """An optimistic transaction: records read revisions, buffers writes (sealed: the
+    engines commit them as they are)."""
 
     __slots__ = ("kv", "reads", "writes", "epoch", "_got")
 
@@ -212,13 +259,17 @@ class Txn:
         self._got: dict[bytes, bytes | None] = {}  # values read by get: each read once
 
     async def get(self, key: bytes) -> bytes | None:
+        kv = self.kv
         if key in self.writes:
-            return self.writes[key]
+            v = self.writes[key]
+            return v if v is None or not kv.sealed else v[:-_seal.SEAL_BYTES]
         if key in self._got:  # the commit compares its revision: no need to ask again
             return self._got[key]
-        value, rev = await self.kv._get(key)
-        self.kv.keys_read += 1
+        value, rev = await kv._get(key)
+        kv.keys_read += 1
         self.reads.setdefault(key, rev)
+        if value is not None:
+            value = kv.unseal(key, value)  # (a damaged value raises, its read recorded)
         if self.reads[key] == rev:
             self._got[key] = value
         return value
@@ -244,10 +295,13 @@ class Txn:
             # keys past the engine's last row may be incomplete: cut there
             last = rows[-1][0]
             items = [kv for kv in items if kv[0] <= last]
-        return items[:limit] if limit else items
+        if limit:
+            items = items[:limit]
+        unseal = self.kv.unseal
+        return [(k, unseal(k, v)) for k, v in items]
 
     def put(self, key: bytes, value: bytes) -> None:
-        self.writes[key] = bytes(value)
+        self.writes[key] = self.kv.seal(key, value)
 
     def delete(self, key: bytes) -> None:
         self.writes[key] = None

@@ -268,7 +268,8 @@ class EtcdKV(KV):
 
     async def range(self, start, end, limit=0):
         """Outside a transaction: always from etcd (with this client's queued writes)."""
-        return [(k, v) for k, v, _ in await self._range(start, end, limit, fresh=True)]
+        return [(k, self.unseal(k, v))
+                for k, v, _ in await self._range(start, end, limit, fresh=True)]
 
     def statistics(self) -> dict:
         return {"commits": self.commits, "failovers": self.failovers,
@@ -472,7 +473,7 @@ class EtcdKV(KV):
             NotFound: the lease has expired.
             Unavailable: no quorum within the timeout.
         """
-        await self._call("/v3/kv/put", {"key": _b64(key), "value": _b64(value),
+        await self._call("/v3/kv/put", {"key": _b64(key), "value": _b64(self.seal(key, value)),
                                         "lease": str(lease)})
 
     # -- watch -------------------------------------------------------------------------
@@ -558,7 +559,7 @@ class EtcdKV(KV):
                                 # whoever acts on this change (e.g. invalidates the
                                 # kernel's cache, which then reads again) must read it
                                 await self.cache.wait_for(rev)
-                            await send.send((key, value))
+                            await send.send((key, self.unseal_change(key, value)))
                         if cache is not None and rev:
                             cache.reached(rev)
                         if res.get("canceled"):

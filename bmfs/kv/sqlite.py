@@ -32,6 +32,11 @@ exclusive lock file), so the optimistic compare-and-swap never conflicts across
 processes; it still guards concurrent trio tasks of that process. Calls run on the
 event loop thread: each is a B-tree lookup of microseconds, cheaper than a hop to a
 worker thread.
+
+Damage: a database SQLite cannot open is refused (VolumeError); a read that SQLite
+finds damaged, or a range read whose keys are out of order on disk (a key changed in
+place: the B-tree scan would stop at it, and a listing end early), raises MetaDamaged
+(EIO). ``check_store`` runs SQLite's own integrity check (fsck).
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ import struct
 
 from crc32c import crc32c
 
-from ..errors import Conflict, VolumeError
+from ..errors import Conflict, MetaDamaged, VolumeError
 from . import KV, merge_rows, prefix_end
 
 log = logging.getLogger(__name__)
@@ -143,6 +148,14 @@ class SqliteKV(KV):
         except BlockingIOError:
             os.close(lockfd)
             raise VolumeError(f"{path} is in use by another bmfs process (mounted already?)")
+        try:
+            return cls._open(url, path, lockfd)
+        except sqlite3.DatabaseError as e:
+            os.close(lockfd)
+            raise VolumeError(f"{path}: the metadata database cannot be read ({e})")
+
+    @classmethod
+    def _open(cls, url: str, path: str, lockfd: int) -> "SqliteKV":
         db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
@@ -158,9 +171,22 @@ class SqliteKV(KV):
         db.execute("PRAGMA cache_size=-65536")
         db.execute("CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, v BLOB NOT NULL, "
                    "rev INTEGER NOT NULL) WITHOUT ROWID")
-        kv = cls(url, db, lockfd, path)
-        kv._replay()
+        try:
+            kv = cls(url, db, lockfd, path)
+            kv._replay()
+        except BaseException:
+            db.close()
+            raise
         return kv
+
+    def check_store(self, full: bool) -> list[str]:
+        """SQLite's integrity check (``full``) or its quicker structural one."""
+        try:
+            rows = self._db.execute("PRAGMA integrity_check" if full
+                                    else "PRAGMA quick_check").fetchall()
+        except sqlite3.DatabaseError as e:
+            return [f"metadata database {self._path}: {e}"]
+        return [f"metadata database {self._path}: {r[0]}" for r in rows if r[0] != "ok"]
 
     def _replay(self) -> None:
         """Apply the redo log left by the last owner (it crashed, or lost power)."""
@@ -183,7 +209,10 @@ class SqliteKV(KV):
             if keys is not None and not _holds(keys, key):
                 return (None, 0)
         if got is None:
-            row = self._db.execute("SELECT v, rev FROM kv WHERE k=?", (key,)).fetchone()
+            try:
+                row = self._db.execute("SELECT v, rev FROM kv WHERE k=?", (key,)).fetchone()
+            except sqlite3.DatabaseError as e:
+                raise MetaDamaged(f"metadata database {self._path}: {e}")
             got = (row[0], row[1]) if row else (None, 0)
             self._keep({key: got})
         return got
@@ -278,18 +307,38 @@ class SqliteKV(KV):
         hi = bisect.bisect_left(keys, end) if end else len(keys)
         # pending deletes can hide up to hi - lo of the rows SQLite returns
         sql_limit = limit + hi - lo if limit else 0
-        q = "SELECT k, v, rev FROM kv WHERE k>=?"
-        args: list = [start]
-        if end:
-            q += " AND k<?"
-            args.append(end)
-        q += " ORDER BY k"
-        if sql_limit:
-            q += " LIMIT ?"
-            args.append(sql_limit)
-        rows = self._db.execute(q, args).fetchall()
+        try:
+            rows = self._select(start, end, sql_limit)
+        except sqlite3.DatabaseError as e:
+            raise MetaDamaged(f"metadata database {self._path}: {e}")
         return merge_rows(rows, [(k, *self._pending[k]) for k in keys[lo:hi]], limit,
                           sql_limit)
+
+    def _select(self, start: bytes, end: bytes, limit: int) -> list:
+        """SQLite's rows in [start, end), at most ``limit`` (0: all). The scan runs on
+        past ``end`` by two rows: a key changed in place on disk is out of order, and
+        SQLite, which stops at the first key >= end, would end the range there without
+        a word; the row after it, smaller, gives it away."""
+        if not end:
+            q = "SELECT k, v, rev FROM kv WHERE k>=? ORDER BY k"
+            return self._db.execute(q + (" LIMIT ?" if limit else ""),
+                                    (start, limit) if limit else (start,)).fetchall()
+        cur = self._db.execute("SELECT k, v, rev FROM kv WHERE k>=? ORDER BY k", (start,))
+        try:
+            rows = []
+            for row in cur:
+                if row[0] >= end:
+                    after = cur.fetchone()
+                    if after is not None and after[0] < row[0]:
+                        raise MetaDamaged(f"metadata database {self._path}: key {row[0]!r} "
+                                          "is out of order (changed on disk?)", row[0])
+                    break
+                rows.append(row)
+                if limit and len(rows) >= limit:
+                    break
+            return rows
+        finally:
+            cur.close()
 
     # -- commits: a redo record now, SQLite in batches -----------------------------------
     async def _commit(self, reads, writes):

@@ -6,6 +6,9 @@ the first version found along the chain (see layers.py). Values of layered keys 
 with a tag byte: ``\\x01`` + payload for a value, ``\\x00`` alone for a tombstone that
 hides older layers' versions.
 
+Every value below is stored with a checksum of its key and itself after it (format
+revision 3, bmfs/kv/seal.py); the table names the value the layers above see.
+
 =====================================  ===============================================
 key                                    value
 =====================================  ===============================================
@@ -13,6 +16,8 @@ v/settings                             JSON volume settings: format revision, uu
                                        k, m, fragment size, inline limit, admin
                                        group (optional: who manages branches)
 v/ctr/<name>                           next free number (ino, stripe, layer) in decimal
+v/sealing                              while a volume of revision 1 or 2 is upgraded to 3:
+                                       the last key sealed so far (unsealed)
 v/dev/<dev:04x>                        JSON device record: path, uuid, node
 y/<layer:08x>                          JSON layer record: parent layer, frozen flag
 b/<branch name>                        JSON branch: head layer, created, from
@@ -40,10 +45,13 @@ m/<mount id>                           JSON record of a running mount (host, pid
 #   2  stripe records may name fragments of revision 2 (their fourth byte, see
 #      bmfs/data/fragment.py), which bmfs of revision 1 would take for corrupt (and,
 #      rewriting such a record, reset to 1, which makes the stripe unreadable).
-# Opening a revision 1 volume for writing (a mount, repair, fsck --repair) upgrades it
-# to 2 first, so bmfs of revision 1 refuses it from then on.
-FORMAT_REVISION = 2
-OPENS_REVISIONS = (1, 2)
+#   3  every value carries a checksum of its key and itself (bmfs/kv/seal.py), which
+#      bmfs of revisions 1 and 2 would take for part of the value.
+# Opening an older volume for writing (a mount, repair, fsck --repair) upgrades it to 3
+# first (vfs/volume.py), so older bmfs refuses it from then on.
+FORMAT_REVISION = 3
+OPENS_REVISIONS = (1, 2, 3)
+SEALED_REVISION = 3  # the first revision whose values carry checksums
 CHUNK_SIZE = 64 << 20
 LIVE = b"\x01"
 TOMBSTONE = b"\x00"
@@ -53,6 +61,11 @@ SETTINGS = b"v/settings"
 # (branches.collect_pending): a count of such deletes, so a collection that started
 # before the latest one does not clear it
 COLLECT_LAYERS = b"v/collect-layers"
+# while an upgrade to SEALED_REVISION runs: the last key sealed (bmfs/kv/seal.py)
+SEALING = b"v/sealing"
+# records on etcd leases, which an upgrade deletes instead of sealing (their owners
+# put them again: a mount's m/ record, a storage node's membership record)
+LEASED_PREFIXES = (b"m/", b"v/node/")
 
 
 def counter(name: str) -> bytes:

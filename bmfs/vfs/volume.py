@@ -17,7 +17,7 @@ import trio
 from ..config import DEFAULT_LAYOUT, VolumeSettings
 from ..data.client import DataClient
 from ..errors import VolumeError
-from ..kv import open_kv
+from ..kv import open_kv, seal
 from ..meta import keys
 from ..meta.namespace import ROOT
 from ..meta.records import Inode
@@ -166,7 +166,7 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
     meta = meta or f"sqlite:{os.path.realpath(path)}/meta.db"
     kv = await open_kv(meta)
     try:
-        if await kv.get(keys.SETTINGS) is not None:
+        if await kv.raw_get(keys.SETTINGS) is not None:
             raise VolumeError(f"the metadata at {meta} already holds a volume")
         if on_nodes:  # (a secret left in the directory by an earlier attempt is kept)
             from ..node.protocol import make_secret
@@ -287,18 +287,45 @@ def _tcp_transport(path, info, records):
                          if not rec.get("removed")}, secret, tls=tls)
 
 
-async def _upgrade(kv, path: str) -> dict:
-    """Raise the volume's format revision to this bmfs's; its settings, upgraded."""
-    async def fn(txn):
-        d = json.loads(await txn.get(keys.SETTINGS))
-        old = d.get("format")
-        d["format"] = keys.FORMAT_REVISION
-        txn.put(keys.SETTINGS, json.dumps(d).encode())
-        return old, d
-    old, d = await kv.transact(fn)
-    if old != keys.FORMAT_REVISION:
-        log.warning("%s: volume format revision %s upgraded to %d: bmfs of revision %s no "
-                    "longer opens it", path, old, keys.FORMAT_REVISION, old)
+async def read_settings(kv, path: str, meta: str) -> dict:
+    """The volume settings, checked: a sealed record (revision 3 on), or the plain JSON
+    of an older revision (then ``kv.sealed`` is set False: its values carry no
+    checksums).
+
+    Raises VolumeError: no settings, or a record that is neither."""
+    raw = await kv.raw_get(keys.SETTINGS)
+    if raw is None:
+        raise VolumeError(f"{path}: the metadata at {meta} holds no volume")
+    sealed = seal.is_sealed(keys.SETTINGS, raw)
+    try:
+        d = json.loads(raw[:-seal.SEAL_BYTES] if sealed else raw)
+        fmt = d.get("format")
+    except (ValueError, AttributeError):
+        d, fmt = None, None
+    if not isinstance(fmt, int) or sealed != (fmt >= keys.SEALED_REVISION):
+        raise VolumeError(f"{path}: the volume settings record in {meta} is damaged "
+                          "(fails its checksum)")
+    if fmt not in keys.OPENS_REVISIONS:
+        raise VolumeError(
+            f"{path}: volume format revision {fmt}, this bmfs reads "
+            f"revisions {keys.OPENS_REVISIONS[0]} to {keys.OPENS_REVISIONS[-1]}")
+    kv.sealed = sealed
+    return d
+
+
+async def _upgrade(kv, path: str, d: dict) -> dict:
+    """Raise an older volume's format revision to this bmfs's: seal every record
+    (bmfs/kv/seal.py), then the settings; the settings, upgraded. Resumes an upgrade
+    cut short; if another process finishes it meanwhile, reads what it wrote."""
+    old = d["format"]
+    n = await seal.seal_all(kv, keys.SEALING, keys.SETTINGS, keys.LEASED_PREFIXES)
+    d = {**d, "format": keys.FORMAT_REVISION}
+    await seal.finish(kv, keys.SEALING, keys.SETTINGS, json.dumps(d).encode())
+    kv.sealed = True
+    d = json.loads(await kv.get(keys.SETTINGS))
+    log.warning("%s: volume format revision %s upgraded to %d (%d records sealed with "
+                "checksums): bmfs of revision %s no longer opens it",
+                path, old, d["format"], n, old)
     return d
 
 
@@ -348,16 +375,14 @@ class Volume:
         kv = await open_kv(f"sqlite:{os.path.realpath(path)}/meta.db" if home
                            else info["meta"])
         try:
-            raw = await kv.get(keys.SETTINGS)
-            if raw is None:
-                raise VolumeError(f"{path}: the metadata at {info['meta']} holds no volume")
-            d = json.loads(raw)
-            if d.get("format") not in keys.OPENS_REVISIONS:
-                raise VolumeError(
-                    f"{path}: volume format revision {d.get('format')}, this bmfs reads "
-                    f"revisions {keys.OPENS_REVISIONS[0]} to {keys.OPENS_REVISIONS[-1]}")
-            if d["format"] != keys.FORMAT_REVISION and upgrade:
-                d = await _upgrade(kv, path)
+            d = await read_settings(kv, path, info["meta"])
+            if d["format"] != keys.FORMAT_REVISION:
+                if upgrade:
+                    d = await _upgrade(kv, path, d)
+                elif await kv.raw_get(keys.SEALING) is not None:
+                    raise VolumeError(f"{path}: an upgrade to format revision "
+                                      f"{keys.FORMAT_REVISION} was cut short: mount the "
+                                      "volume (or run bmfs fsck --repair) to finish it")
             settings = VolumeSettings.from_json(d)
             if settings.uuid != info.get("uuid"):
                 raise VolumeError(f"{path}: {VOLUME_FILE} and the metadata name different volumes")

@@ -1,0 +1,50 @@
+"""Volumes in the encodings of earlier format revisions, for upgrade tests.
+
+Revisions 1 and 2 stored every metadata value as its payload alone; revision 3 appends
+a crc32c of key and payload (bmfs/kv/seal.py) and nothing else changed. So a volume of
+revision 3, cleanly unmounted (its redo log empty), becomes the volume an earlier bmfs
+would have written by cutting that checksum off every value in meta.db and writing the
+earlier revision number into the settings.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+
+from bmfs.kv.seal import SEAL_BYTES, is_sealed
+from bmfs.meta import keys
+
+
+def to_previous_format(volume, fmt: int = 2) -> int:
+    """Rewrite the SQLite metadata of ``volume`` (not mounted) as revision ``fmt``
+    wrote it; returns the number of records."""
+    path = os.path.join(volume, "meta.db")
+    assert os.path.getsize(path + "-redo") == 0, "the volume was not unmounted cleanly"
+    db = sqlite3.connect(path)
+    try:
+        rows = db.execute("SELECT k, v FROM kv").fetchall()
+        for k, v in rows:
+            assert is_sealed(k, v), k
+            raw = v[:-SEAL_BYTES]
+            if k == keys.SETTINGS:
+                d = json.loads(raw)
+                d["format"] = fmt
+                raw = json.dumps(d).encode()
+            db.execute("UPDATE kv SET v=? WHERE k=?", (raw, k))
+        db.commit()
+    finally:
+        db.close()
+    return len(rows)
+
+
+def stored_format(volume) -> tuple[int, bool]:
+    """The format revision in the settings of ``volume`` and whether the record is
+    sealed (read with sqlite3: no bmfs code in between)."""
+    db = sqlite3.connect(os.path.join(volume, "meta.db"))
+    try:
+        (v,) = db.execute("SELECT v FROM kv WHERE k=?", (keys.SETTINGS,)).fetchone()
+    finally:
+        db.close()
+    sealed = is_sealed(keys.SETTINGS, v)
+    return json.loads(v[:-SEAL_BYTES] if sealed else v)["format"], sealed

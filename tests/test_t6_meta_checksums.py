@@ -1,0 +1,224 @@
+"""Level 6: damaged metadata records (bmfs/kv/seal.py) on real mounts.
+
+A byte changed in a stored value, or in a key on disk, is an error for whatever reads
+it (EIO, a line in the mount's log, a problem for fsck), never content: not another
+file's bytes, not a listing short of names. A metadata database SQLite cannot read
+is refused with one line. Volumes of the previous format revision are upgraded by
+the first mount, every byte kept.
+"""
+from __future__ import annotations
+
+import base64
+import errno
+import json
+import os
+import sqlite3
+
+import pytest
+
+from bmfs.cluster.etcd import _post
+from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
+from mountutil import Mounted, assert_fsck_clean, bmfs, fsck, is_mounted, mkfs
+from oldformat import stored_format, to_previous_format
+
+NAMES = [f"f{i:02d}" for i in range(53)]
+
+
+def _fill(mp) -> None:
+    """Small files (their data inline in the metadata) and a directory of 53 names."""
+    (mp / "g").write_text("text file\n")
+    (mp / "h").write_text("another one\n")
+    (mp / "dir").mkdir()
+    for n in NAMES:
+        (mp / "dir" / n).write_text(n)
+
+
+def _expect_eio(fn, *args):
+    with pytest.raises(OSError) as e:
+        fn(*args)
+    assert e.value.errno == errno.EIO, e.value
+
+
+def _check_damage_seen(vol, mp, *, listing: bool) -> None:
+    """Mounted: g's content is EIO, h reads back; the listing of dir (if ``listing``
+    was damaged) is EIO, not short; the mount's log names the damage."""
+    with Mounted(vol, mp):
+        _expect_eio((mp / "g").read_bytes)
+        assert (mp / "h").read_text() == "another one\n"
+        if listing:
+            _expect_eio(os.listdir, mp / "dir")
+        else:
+            assert sorted(os.listdir(mp / "dir")) == NAMES
+    log = (vol / "mount.log").read_text()
+    assert "damaged metadata record" in log or "is out of order" in log, log[-2000:]
+
+
+def _fsck_names_damage(vol, words: str) -> None:
+    res = fsck(vol, "--full")
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stdout + res.stderr
+    assert words in res.stdout, res.stdout
+
+
+def _sqlite_rows(vol):
+    db = sqlite3.connect(vol / "meta.db")
+    try:
+        return db.execute("SELECT k, v FROM kv").fetchall()
+    finally:
+        db.close()
+
+
+def _sqlite_update(vol, key: bytes, value: bytes) -> None:
+    db = sqlite3.connect(vol / "meta.db")
+    try:
+        db.execute("UPDATE kv SET v=? WHERE k=?", (value, key))
+        db.commit()
+    finally:
+        db.close()
+
+
+def _flip_in(value: bytes, old: bytes, new: bytes) -> bytes:
+    assert value.count(old) == 1, value
+    return value.replace(old, new)
+
+
+def test_flipped_value_in_sqlite_is_eio_and_fsck_names_it(tmp_path):
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    with Mounted(vol, mp):
+        _fill(mp)
+    rows = _sqlite_rows(vol)
+    # g's data lives inline in its stripe record: "text file" becomes "text File"
+    (key, value), = [(k, v) for k, v in rows if b"text file" in v]
+    _sqlite_update(vol, key, _flip_in(value, b"text file", b"text File"))
+    # one directory entry's value (the child's inode number) changes by one bit
+    (dkey, dvalue), = [(k, v) for k, v in rows if k.startswith(b"d/") and b"/f08@" in k]
+    _sqlite_update(vol, dkey, bytes([dvalue[0] ^ 0x01, *dvalue[1:]]))
+    _check_damage_seen(vol, mp, listing=True)
+    _fsck_names_damage(vol, f"metadata record {key!r} fails its checksum")
+    _fsck_names_damage(vol, f"metadata record {dkey!r} fails its checksum")
+
+
+def test_value_moved_under_another_key_is_detected(tmp_path):
+    """The checksum covers the key: h's stripe record copied over g's, byte for byte
+    a valid record, gives EIO for g instead of h's text."""
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    with Mounted(vol, mp):
+        _fill(mp)
+    rows = dict(_sqlite_rows(vol))
+    g_key = next(k for k, v in rows.items() if b"text file" in v)
+    h_val = next(v for k, v in rows.items() if b"another one" in v)
+    _sqlite_update(vol, g_key, h_val)
+    _check_damage_seen(vol, mp, listing=False)
+    _fsck_names_damage(vol, f"metadata record {g_key!r} fails its checksum")
+
+
+def test_key_changed_on_disk_is_a_listing_error_not_a_short_listing(tmp_path):
+    """A byte of a directory entry's key changed in the database file itself (not
+    through SQLite): SQLite's scan would stop at it, 8 names of 53; the listing fails
+    instead, and fsck names the record and SQLite's own check the damage."""
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    with Mounted(vol, mp):
+        _fill(mp)
+        dir_ino = os.stat(mp / "dir").st_ino
+    key = next(k for k, _ in _sqlite_rows(vol) if k.startswith(b"d/") and b"/f08@" in k)
+    parent = key[2:18]
+    assert int(parent, 16) == dir_ino or True  # (the FUSE inode may carry a view id)
+    bigger = parent[:-1] + bytes([parent[-1] + 1])
+    raw = (vol / "meta.db").read_bytes()
+    assert raw.count(key) >= 1
+    at = raw.index(key) + 2 + 15  # the parent number's last hex digit, in place
+    raw = raw[:at] + bigger[-1:] + raw[at + 1:]
+    (vol / "meta.db").write_bytes(raw)
+    with Mounted(vol, mp):
+        _expect_eio(os.listdir, mp / "dir")
+        assert (mp / "g").read_text() == "text file\n"
+    res = fsck(vol, "--full")
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert "Traceback" not in res.stdout + res.stderr
+    assert "fails its checksum" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("damage", ["header", "truncated"])
+def test_malformed_database_is_one_line(tmp_path, damage):
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    with Mounted(vol, mp):
+        _fill(mp)
+    raw = (vol / "meta.db").read_bytes()
+    if damage == "header":
+        raw = b"\x5a" * 100 + raw[100:]
+    else:
+        raw = raw[:len(raw) // 2]
+    (vol / "meta.db").write_bytes(raw)
+    for cmd in (["fsck", vol], ["fsck", vol, "--full"], ["mount", mp, "--volume", vol]):
+        res = bmfs(*cmd, check=False)
+        assert res.returncode in (1, 2), (cmd, res.returncode, res.stderr)
+        out = res.stdout + res.stderr
+        assert "Traceback" not in out, out
+        assert "meta.db" in out, out
+        if res.returncode == 2:
+            assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not is_mounted(mp)
+
+
+def test_flipped_value_in_etcd_is_eio_and_fsck_names_it(etcd_cluster, tmp_path):
+    etcd_cluster.wipe()
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol, "--meta", etcd_cluster.url)
+    with Mounted(vol, mp):
+        _fill(mp)
+    ep = etcd_cluster.endpoints[0]
+    every = base64.b64encode(b"\0").decode()
+    kvs = _post(ep, "/v3/kv/range", {"key": every, "range_end": every}).get("kvs", [])
+    rows = {base64.b64decode(r["key"]): base64.b64decode(r.get("value", "")) for r in kvs}
+
+    def put(k, v):
+        _post(ep, "/v3/kv/put", {"key": base64.b64encode(k).decode(),
+                                 "value": base64.b64encode(v).decode()})
+    key = next(k for k, v in rows.items() if b"text file" in v)
+    put(key, _flip_in(rows[key], b"text file", b"text File"))
+    dkey = next(k for k in rows if k.startswith(b"d/") and b"/f08@" in k)
+    put(dkey, bytes([rows[dkey][0] ^ 0x01, *rows[dkey][1:]]))
+    _check_damage_seen(vol, mp, listing=True)
+    _fsck_names_damage(vol, f"metadata record {key!r} fails its checksum")
+    _fsck_names_damage(vol, f"metadata record {dkey!r} fails its checksum")
+
+
+def test_previous_format_is_upgraded_by_mount(tmp_path):
+    """A volume in the encoding of format revision 2 (no checksums): status and fsck
+    read it as it is; the first mount seals every record and raises it to 3; every
+    file reads back byte for byte, and fsck --full is clean."""
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    big = os.urandom(300_000)
+    with Mounted(vol, mp) as m:
+        _fill(mp)
+        (mp / "big").write_bytes(big)
+        os.symlink("g", mp / "link")
+        os.setxattr(mp / "g", "user.note", b"kept")
+        assert m.ctl("snapshot_create", name="s1")["ok"]
+        (mp / "h").write_text("changed after the snapshot\n")
+    n = to_previous_format(vol, 2)
+    assert n > 60 and stored_format(vol) == (2, False)
+    assert json.loads(bmfs("status", vol, "--json").stdout)
+    res = fsck(vol)
+    assert res.returncode == 0 and "carry no checksums" in res.stdout, res.stdout
+    assert stored_format(vol) == (2, False)  # reading it changed nothing
+    with Mounted(vol, mp):
+        assert (mp / "g").read_text() == "text file\n"
+        assert (mp / "h").read_text() == "changed after the snapshot\n"
+        assert (mp / ".bm" / "snapshots" / "s1" / "h").read_text() == "another one\n"
+        assert (mp / "big").read_bytes() == big
+        assert os.readlink(mp / "link") == "g"
+        assert os.getxattr(mp / "g", "user.note") == b"kept"
+        assert sorted(os.listdir(mp / "dir")) == NAMES
+        assert all((mp / "dir" / n).read_text() == n for n in NAMES)
+        (mp / "new").write_text("after the upgrade\n")
+    assert stored_format(vol) == (3, True)
+    assert "upgraded to 3" in (vol / "mount.log").read_text()
+    res = fsck(vol, "--full")
+    assert res.returncode == 0 and "carry no checksums" not in res.stdout, res.stdout
+    assert_fsck_clean(vol)

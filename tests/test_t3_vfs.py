@@ -919,7 +919,7 @@ def test_listings_have_dot_and_dotdot(tmp_path):
         root = await fs.readdir(ROOT, dots=True)
         assert [(n, a.ino) for n, a in root[:2]] == [(b".", ROOT), (b"..", ROOT)]
         assert [n for n, _ in await fs.readdir(p.ino)] == [b"f"]  # (the vfs's own callers)
-        await fs.control.run({"op": "branch_create", "name": "x"})
+        await fs.control.run("branch_create", {"name": "x"})
         broot = await fs.lookup((await fs.lookup(ROOT, b".bm")).ino, b"branches")
         x = await fs.lookup(broot.ino, b"x")
         assert [(n, a.ino) for n, a in (await fs.readdir(x.ino, dots=True))[:2]] == \

@@ -54,6 +54,54 @@ def test_fragment_header_roundtrip_and_corruption(version):
         fr.parse_header(head[:20], 77, 3, len(payload), version)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("version", [1, 2])
+def test_bad_blocks_and_padding(version, native):
+    """bad_blocks names each block whose bytes do not match, and every block a
+    truncated payload does not hold whole; the header's padding must be zeros."""
+    from bmfs.data.native import NATIVE
+    impl = NATIVE if native else None
+    payload = os.urandom(5 * fr.BLOCK + 321)
+    geo = fr.geometry(version, len(payload))
+    head = fr.build_header(5, 1, 4, 2, payload, version)
+    table = fr.parse_header(head, 5, 1, len(payload), version)
+    assert fr.bad_blocks(table, payload, len(payload), version, impl) == []
+    bad = bytearray(payload)
+    for j in (0, 2, geo.blocks - 1):
+        bad[geo.block_start(j + 1) - 1] ^= 0x10
+    assert fr.bad_blocks(table, bad, len(payload), version, impl) == [0, 2, geo.blocks - 1]
+    for cut in (0, 1, geo.lead, geo.block_start(3), geo.block_start(3) + 5, len(payload) - 1):
+        whole = geo.block_of(cut) if cut else 0  # blocks held whole
+        assert fr.bad_blocks(table, payload[:cut], len(payload), version, impl) == \
+            list(range(whole, geo.blocks)), cut
+    if version == 2:
+        assert geo.data_offset > geo.table_end
+        h = bytearray(head)
+        h[geo.data_offset - 1] = 1
+        with pytest.raises(fr.CorruptFragment, match="nonzero bytes"):
+            fr.parse_header(bytes(h), 5, 1, len(payload), version)
+        fr.parse_header(bytes(h)[:geo.table_end], 5, 1, len(payload), version)  # not read
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_rebuild_range_takes_only_the_range(native):
+    """Codec.rebuild_range rebuilds bytes [start, end) of missing data fragments from
+    k others' same bytes alone: the survivors' bytes elsewhere, their liberasurecode
+    headers included, may be anything."""
+    from bmfs.data.codec import Codec
+    cd = codec(4, 2) if native else Codec(4, 2, native=None)
+    data = os.urandom(1 << 20)
+    frags = cd.encode(data)
+    start, end = LIB_HEADER + 4096, LIB_HEADER + 3 * 4096
+    survivors = {}
+    for i in (1, 3, 4, 5):
+        junk = bytearray(os.urandom(len(frags[i])))
+        junk[start:end] = frags[i][start:end]
+        survivors[i] = bytes(junk)
+    got = cd.rebuild_range(survivors, [0, 2], start, end, len(data))
+    assert [bytes(g) for g in got] == [frags[0][start:end], frags[2][start:end]]
+
+
 @pytest.mark.parametrize("size", [1, 4096, 100_000, 4 << 20])
 def test_revision_2_puts_stripe_data_on_pages_of_the_file(size):
     """A 4 KiB read at a 4 KiB offset of the stripe is one page of the fragment file

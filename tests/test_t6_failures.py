@@ -599,6 +599,8 @@ def test_repair_that_cannot_restore_redundancy_exits_1_and_says_why(tmp_path):
         assert "2 no device to place on" in err, err
         report = json.loads(bmfs("repair", mp, "--json", check=False).stdout)
         assert report["stripes_short"] == 2 and report["fragments_short"] == {"no_device": 2}
+        assert status_json(mp)["stripes_short"] == 2  # (bmfs status says so too)
+        assert "stripes short of full redundancy: 2" in bmfs("status", mp).stdout
         res = bmfs("scrub", mp, check=False)
         assert res.returncode == 1 and "no device to place on" in res.stderr, res.stderr
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(tiny)],

@@ -674,8 +674,14 @@ def _row_plan(k: int, m: int, geo, got: dict, partial: bool = False) -> list | N
     (_pick: the data fragments where they are good: nothing to rebuild). None if
     some row has no such k, or with ``partial`` a run of that row alone whose
     ``chosen`` is None."""
+    order = tuple(sorted(got))
+    if not any(b for _, b, _ in got.values()):  # (the usual degraded read: one run)
+        chosen = _pick(k, m, order)
+        if chosen is not None:
+            return [[LIB_HEADER, geo.payload_length, chosen]]
+        if not partial:
+            return None
     bad = {i: frozenset(b) for i, (_, b, _) in got.items()}
-    order = sorted(got)
     runs: list = []
     for j in range(geo.blocks):
         start, end = max(geo.block_start(j), LIB_HEADER), geo.block_start(j + 1)

@@ -192,6 +192,9 @@ async def _commit_moves(volume, sid: int, moved: dict[int, int], devices: list[i
         for i in applied:
             txn.delete(keys.damage(sid, i))
     await volume.kv.transact(fn)
+    if applied:  # what reads (this repair's own, of the stripe) found wrong with the
+        # copies just replaced, not queued yet: not queued (it would be found intact again)
+        volume.damage = [d for d in volume.damage if d[0] != sid or d[1] not in applied]
     if not volume.kv.single_writer:
         # etcd's write-behind may hold the record back: stored before a copy it no
         # longer names is deleted (a crash in between would leave it naming nothing)

@@ -7,18 +7,23 @@ import time
 
 
 from ..meta import keys
-from ..meta.records import Stripe
+from ..meta.records import EC, Stripe
 
 
 async def volume_status(volume, data_stats: dict | None = None) -> dict:
     s = volume.settings
     devices = []
     counts = {}
+    usage = await volume.device_usage(max_age=0)
+    queued = {k[2:18] for k, _ in await volume.kv.range(b"h/", b"h0")}
+    short = 0  # stripes a repair pass would find short of full redundancy
     for k, v in await volume.kv.range(b"t/", b"t0"):
         st = Stripe.unpack(v)
         for dev in st.devices:
             counts[dev] = counts.get(dev, 0) + 1
-    usage = await volume.device_usage(max_age=0)
+        if st.kind == EC and (k[2:] in queued or volume.data.needs_repair(st) or any(
+                isinstance(usage.get(d), Exception) for d in st.devices)):
+            short += 1
     for dev, path in sorted(volume.device_paths.items()):
         if dev in volume.removed:  # forgotten (`bmfs node remove`): listed apart
             continue
@@ -42,7 +47,7 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
         for name, rec in nodes.items():
             if d["id"] in rec.get("devices", []):
                 d["membership"] = {"node": name, "heartbeat": rec["heartbeat"]}
-    pending_repair = len(await volume.kv.range(b"h/", b"h0"))
+    pending_repair = len(await volume.kv.range(b"h/", b"h0"))  # (fragments)
     gc_queue = len(await volume.kv.range(b"g/", b"g0"))
     collecting = await volume.kv.get(keys.COLLECT_LAYERS) is not None
     branches = [k[2:].decode() for k, _ in await volume.kv.range(b"b/", b"b0")]
@@ -51,6 +56,7 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
             "format": s.format, "stripe_size": s.stripe_size, "inline_max": s.inline_max,
             "meta": volume.kv.url, "meta_engine": volume.kv.statistics(), "devices": devices,
             "removed_devices": sorted(volume.removed), "nodes": nodes, "fragments_awaiting_repair": pending_repair,
+            "stripes_short": short,
             "stripes_awaiting_gc": gc_queue, "collecting_deleted_trees": collecting,
             "branches": branches, "snapshots": snapshots,
             "data": data_stats or dict(volume.data.stats),
@@ -88,6 +94,7 @@ def render(st: dict) -> str:
                          f"last heartbeat {max(0.0, time.time() - rec['heartbeat']):.1f} s ago")
     lines.append("")
     lines.append(f"fragments awaiting repair: {st['fragments_awaiting_repair']}; "
+                 f"stripes short of full redundancy: {st.get('stripes_short', 0)}; "
                  f"stripes awaiting GC: {st['stripes_awaiting_gc']}"
                  + ("; deleted branches or snapshots still being collected"
                     if st.get("collecting_deleted_trees") else ""))

@@ -99,6 +99,24 @@ def test_flipped_value_in_sqlite_is_eio_and_fsck_names_it(tmp_path):
     _fsck_names_damage(vol, f"metadata record {dkey!r} fails its checksum")
 
 
+def test_damaged_inode_in_a_listing_fails_it(tmp_path):
+    """An entry whose inode record is damaged: the listing (READDIRPLUS reads every
+    entry's attributes) fails, not a listing without that name; stat of it is EIO."""
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    with Mounted(vol, mp):
+        _fill(mp)
+        ino = os.stat(mp / "dir" / "f20").st_ino
+    key = b"i/%016x@00000001" % ino
+    value = dict(_sqlite_rows(vol))[key]
+    _sqlite_update(vol, key, value[:-1] + bytes([value[-1] ^ 0x80]))
+    with Mounted(vol, mp):
+        _expect_eio(os.listdir, mp / "dir")
+        _expect_eio(os.stat, mp / "dir" / "f20")
+        assert (mp / "dir" / "f21").read_text() == "f21"
+    _fsck_names_damage(vol, f"metadata record {key!r} fails its checksum")
+
+
 def test_value_moved_under_another_key_is_detected(tmp_path):
     """The checksum covers the key: h's stripe record copied over g's, byte for byte
     a valid record, gives EIO for g instead of h's text."""

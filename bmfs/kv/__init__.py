@@ -268,8 +268,8 @@ class Txn:
         value, rev = await kv._get(key)
         kv.keys_read += 1
         self.reads.setdefault(key, rev)
-        if value is not None:
-            value = kv.unseal(key, value)  # (a damaged value raises, its read recorded)
+        if value is not None and kv.sealed:
+            value = _seal.unseal(key, value)  # (damaged: raises, its read recorded)
         if self.reads[key] == rev:
             self._got[key] = value
         return value
@@ -297,7 +297,9 @@ class Txn:
             items = [kv for kv in items if kv[0] <= last]
         if limit:
             items = items[:limit]
-        unseal = self.kv.unseal
+        if not self.kv.sealed:
+            return items
+        unseal = _seal.unseal
         return [(k, unseal(k, v)) for k, v in items]
 
     def put(self, key: bytes, value: bytes) -> None:

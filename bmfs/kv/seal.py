@@ -28,6 +28,7 @@ from ..errors import Conflict, MetaDamaged, Unavailable
 log = logging.getLogger(__name__)
 _CRC = struct.Struct("<I")
 SEAL_BYTES = _CRC.size
+_RESIDUE = 0x48674BC7  # crc32c of any data followed by its own crc32c, little-endian
 # bounds of one upgrade transaction (etcd's default --max-txn-ops is 128: a row costs
 # a compare and a put) and of its bytes (--max-request-bytes 1.5 MiB)
 BATCH_KEYS = 50
@@ -41,9 +42,9 @@ def seal(key: bytes, value) -> bytes:
 
 
 def is_sealed(key: bytes, raw: bytes) -> bool:
-    """Whether ``raw`` is a value sealed under ``key``."""
-    n = len(raw) - SEAL_BYTES
-    return n >= 0 and _CRC.unpack_from(raw, n)[0] == crc32c(raw[:n], crc32c(key))
+    """Whether ``raw`` is a value sealed under ``key``: the crc32c of key, payload and
+    the payload's little-endian crc32c is the CRC's fixed residue (one pass, no copy)."""
+    return len(raw) >= SEAL_BYTES and crc32c(raw, crc32c(key)) == _RESIDUE
 
 
 def unseal(key: bytes, raw: bytes) -> bytes:
@@ -53,11 +54,9 @@ def unseal(key: bytes, raw: bytes) -> bytes:
         MetaDamaged: the checksum does not match (logged once per key and process:
             the mount's log is where an operator finds which record is damaged).
     """
-    n = len(raw) - SEAL_BYTES
-    payload = raw[:n]
-    if n < 0 or int.from_bytes(raw[n:], "little") != crc32c(payload, crc32c(key)):
+    if crc32c(raw, crc32c(key)) != _RESIDUE or len(raw) < SEAL_BYTES:
         raise damaged(key)
-    return payload
+    return raw[:-SEAL_BYTES]
 
 
 def damaged(key: bytes) -> MetaDamaged:

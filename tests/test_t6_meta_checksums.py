@@ -19,7 +19,7 @@ import pytest
 from bmfs.cluster.etcd import _post
 from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
 from mountutil import Mounted, assert_fsck_clean, bmfs, fsck, is_mounted, mkfs
-from oldformat import stored_format, to_previous_format
+from oldformat import etcd_to_previous_format, stored_format, to_previous_format
 
 NAMES = [f"f{i:02d}" for i in range(53)]
 
@@ -240,3 +240,26 @@ def test_previous_format_is_upgraded_by_mount(tmp_path):
     res = fsck(vol, "--full")
     assert res.returncode == 0 and "carry no checksums" not in res.stdout, res.stdout
     assert_fsck_clean(vol)
+
+
+def test_previous_format_on_etcd_is_upgraded_by_mount(etcd_cluster, tmp_path):
+    """The same on etcd: a volume in the revision 2 encoding is sealed by the first
+    mount (in transactions within etcd's default limits), every file byte-exact."""
+    etcd_cluster.wipe()
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol, "--meta", etcd_cluster.url)
+    big = os.urandom(200_000)
+    with Mounted(vol, mp):
+        _fill(mp)
+        (mp / "big").write_bytes(big)
+    assert etcd_to_previous_format(etcd_cluster.endpoints[0], 2) > 60
+    res = fsck(vol)
+    assert res.returncode == 0 and "carry no checksums" in res.stdout, res.stdout
+    with Mounted(vol, mp):
+        assert (mp / "g").read_text() == "text file\n"
+        assert (mp / "big").read_bytes() == big
+        assert sorted(os.listdir(mp / "dir")) == NAMES
+        assert all((mp / "dir" / n).read_text() == n for n in NAMES)
+    assert "upgraded to 3" in (vol / "mount.log").read_text()
+    res = fsck(vol, "--full")
+    assert res.returncode == 0 and "carry no checksums" not in res.stdout, res.stdout

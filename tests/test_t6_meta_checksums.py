@@ -12,6 +12,7 @@ import base64
 import errno
 import json
 import os
+import shutil
 import sqlite3
 
 import pytest
@@ -115,6 +116,35 @@ def test_damaged_inode_in_a_listing_fails_it(tmp_path):
         _expect_eio(os.stat, mp / "dir" / "f20")
         assert (mp / "dir" / "f21").read_text() == "f21"
     _fsck_names_damage(vol, f"metadata record {key!r} fails its checksum")
+
+
+def test_damaged_records_a_volume_needs_to_open(tmp_path):
+    """A damaged device or branch record: mount and status refuse with one line naming
+    it; fsck reports it as a problem (exit 1); a damaged root inode mounts, and the
+    root is EIO."""
+    base, mp = tmp_path / "base", tmp_path / "mp"
+    mkfs(base)
+    with Mounted(base, mp):
+        _fill(mp)
+    for key in (b"v/dev/0000", b"b/main", b"i/%016x@00000001" % 1):
+        vol = tmp_path / key.decode().replace("/", "_")
+        shutil.copytree(base, vol)
+        info = json.loads((vol / "volume.json").read_text())
+        info["meta"] = f"sqlite:{vol}/meta.db"
+        (vol / "volume.json").write_text(json.dumps(info))
+        value = dict(_sqlite_rows(vol))[key]
+        _sqlite_update(vol, key, value[:-1] + bytes([value[-1] ^ 0x04]))
+        _fsck_names_damage(vol, f"metadata record {key!r} fails its checksum")
+        if key.startswith(b"i/"):
+            with Mounted(vol, mp):
+                _expect_eio(os.listdir, mp)
+            continue
+        for cmd in (["mount", mp, "--volume", vol], ["status", vol]):
+            res = bmfs(*cmd, check=False)
+            assert res.returncode == 2, (cmd, res.returncode, res.stderr)
+            assert res.stderr.strip().splitlines() == [
+                f"bmfs: damaged metadata record {key!r}: it fails its checksum"], res.stderr
+        assert not is_mounted(mp)
 
 
 def test_value_moved_under_another_key_is_detected(tmp_path):

@@ -27,6 +27,7 @@ outside a transaction is always fresh.
 from __future__ import annotations
 
 import abc
+import logging
 import random
 from typing import Awaitable, Callable, TypeVar
 
@@ -36,6 +37,7 @@ from ..errors import Conflict, FsError, Unavailable
 from . import seal as _seal
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 ENGINES: dict[str, str] = {
     "memory": "bmfs.kv.memory:MemoryKV",
@@ -131,7 +133,7 @@ class KV(abc.ABC):
         """The value stored as ``raw`` under ``key``.
 
         Raises:
-            MetaDamaged: its checksum does not match (logged, once per key).
+            MetaDamaged: its checksum does not match.
         """
         return _seal.unseal(key, raw) if self.sealed else raw
 
@@ -142,7 +144,8 @@ class KV(abc.ABC):
             return raw
         try:
             return _seal.unseal(key, raw)
-        except FsError:
+        except FsError as e:
+            log.warning("a watched change: %s", e)
             return None
 
     async def raw_get(self, key: bytes) -> bytes | None:

@@ -12,6 +12,7 @@ import base64
 import errno
 import json
 import os
+import shutil
 import sqlite3
 
 import pytest
@@ -19,7 +20,7 @@ import pytest
 from bmfs.cluster.etcd import _post
 from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
 from mountutil import Mounted, assert_fsck_clean, bmfs, fsck, is_mounted, mkfs
-from oldformat import stored_format, to_previous_format
+from oldformat import etcd_to_previous_format, stored_format, to_previous_format
 
 NAMES = [f"f{i:02d}" for i in range(53)]
 
@@ -97,6 +98,53 @@ def test_flipped_value_in_sqlite_is_eio_and_fsck_names_it(tmp_path):
     _check_damage_seen(vol, mp, listing=True)
     _fsck_names_damage(vol, f"metadata record {key!r} fails its checksum")
     _fsck_names_damage(vol, f"metadata record {dkey!r} fails its checksum")
+
+
+def test_damaged_inode_in_a_listing_fails_it(tmp_path):
+    """An entry whose inode record is damaged: the listing (READDIRPLUS reads every
+    entry's attributes) fails, not a listing without that name; stat of it is EIO."""
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    with Mounted(vol, mp):
+        _fill(mp)
+        ino = os.stat(mp / "dir" / "f20").st_ino
+    key = b"i/%016x@00000001" % ino
+    value = dict(_sqlite_rows(vol))[key]
+    _sqlite_update(vol, key, value[:-1] + bytes([value[-1] ^ 0x80]))
+    with Mounted(vol, mp):
+        _expect_eio(os.listdir, mp / "dir")
+        _expect_eio(os.stat, mp / "dir" / "f20")
+        assert (mp / "dir" / "f21").read_text() == "f21"
+    _fsck_names_damage(vol, f"metadata record {key!r} fails its checksum")
+
+
+def test_damaged_records_a_volume_needs_to_open(tmp_path):
+    """A damaged device or branch record: mount and status refuse with one line naming
+    it; fsck reports it as a problem (exit 1); a damaged root inode mounts, and the
+    root is EIO."""
+    base, mp = tmp_path / "base", tmp_path / "mp"
+    mkfs(base)
+    with Mounted(base, mp):
+        _fill(mp)
+    for key in (b"v/dev/0000", b"b/main", b"i/%016x@00000001" % 1):
+        vol = tmp_path / key.decode().replace("/", "_")
+        shutil.copytree(base, vol)
+        info = json.loads((vol / "volume.json").read_text())
+        info["meta"] = f"sqlite:{vol}/meta.db"
+        (vol / "volume.json").write_text(json.dumps(info))
+        value = dict(_sqlite_rows(vol))[key]
+        _sqlite_update(vol, key, value[:-1] + bytes([value[-1] ^ 0x04]))
+        _fsck_names_damage(vol, f"metadata record {key!r} fails its checksum")
+        if key.startswith(b"i/"):
+            with Mounted(vol, mp):
+                _expect_eio(os.listdir, mp)
+            continue
+        for cmd in (["mount", mp, "--volume", vol], ["status", vol]):
+            res = bmfs(*cmd, check=False)
+            assert res.returncode == 2, (cmd, res.returncode, res.stderr)
+            assert res.stderr.strip().splitlines() == [
+                f"bmfs: damaged metadata record {key!r}: it fails its checksum"], res.stderr
+        assert not is_mounted(mp)
 
 
 def test_value_moved_under_another_key_is_detected(tmp_path):
@@ -222,3 +270,26 @@ def test_previous_format_is_upgraded_by_mount(tmp_path):
     res = fsck(vol, "--full")
     assert res.returncode == 0 and "carry no checksums" not in res.stdout, res.stdout
     assert_fsck_clean(vol)
+
+
+def test_previous_format_on_etcd_is_upgraded_by_mount(etcd_cluster, tmp_path):
+    """The same on etcd: a volume in the revision 2 encoding is sealed by the first
+    mount (in transactions within etcd's default limits), every file byte-exact."""
+    etcd_cluster.wipe()
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol, "--meta", etcd_cluster.url)
+    big = os.urandom(200_000)
+    with Mounted(vol, mp):
+        _fill(mp)
+        (mp / "big").write_bytes(big)
+    assert etcd_to_previous_format(etcd_cluster.endpoints[0], 2) > 60
+    res = fsck(vol)
+    assert res.returncode == 0 and "carry no checksums" in res.stdout, res.stdout
+    with Mounted(vol, mp):
+        assert (mp / "g").read_text() == "text file\n"
+        assert (mp / "big").read_bytes() == big
+        assert sorted(os.listdir(mp / "dir")) == NAMES
+        assert all((mp / "dir" / n).read_text() == n for n in NAMES)
+    assert "upgraded to 3" in (vol / "mount.log").read_text()
+    res = fsck(vol, "--full")
+    assert res.returncode == 0 and "carry no checksums" not in res.stdout, res.stdout

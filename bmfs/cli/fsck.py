@@ -1,4 +1,6 @@
-"""bmfs fsck VOLUME [--full] [--repair]: exit 0 only when the volume is consistent."""
+"""bmfs fsck VOLUME [--full] [--repair]: exit 0 only when the volume is consistent, 1
+when it found problems (damaged metadata records among them), 2 when the volume
+cannot be read at all (no volume, a metadata database SQLite cannot open)."""
 from .common import run_trio
 
 
@@ -12,11 +14,16 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from ..vfs.fsck import fsck
+    from ..errors import MetaDamaged
+    from ..vfs.fsck import fsck, fsck_records
     from ..vfs.volume import Volume
 
     async def main():
-        vol = await Volume.open(args.volume, upgrade=args.repair)
+        try:
+            vol = await Volume.open(args.volume, upgrade=args.repair)
+        except MetaDamaged as e:  # a record needed to open it (devices, ...): say which
+            problems, notes = await fsck_records(args.volume, args.full)
+            return problems or [str(e)], notes
         try:
             return await fsck(vol, full=args.full, repair=args.repair)
         finally:

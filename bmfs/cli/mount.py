@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -12,6 +13,8 @@ import time
 from ..config import MountOptions, default_volume
 from .main import UserError
 from .common import find_mount, mounts, run_trio
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(sub):
@@ -166,7 +169,11 @@ def _raise_read_ahead(mp, kb: int = 4096) -> None:
     The kernel sets the bdi up when the FUSE handshake (INIT) completes, which may be
     after the mount appears: a stat through the mount waits for that, so the value
     written here is not overwritten by the kernel's default."""
-    os.stat(mp)
+    try:
+        os.stat(mp)
+    except OSError as e:  # e.g. a damaged root record (EIO): mounted, its log says why
+        log.warning("%s: %s", mp, e.strerror)
+        return
     m = find_mount(mp)
     if not m or not m.get("dev"):
         return

@@ -16,7 +16,7 @@ import time
 import pyfuse3
 import trio
 
-from ..errors import FsError
+from ..errors import FsError, NotFound
 from ..vfs.control import Caller
 from ..vfs.fs import Attr
 from ..vfs.views import CTL_FILE, VIEW_SHIFT
@@ -384,8 +384,9 @@ class Operations(pyfuse3.Operations):
             name, a = entries[i]
             try:
                 a = await self.fs.getattr(a.ino)
-            except FsError:
-                continue  # removed since opendir
+            except NotFound:
+                continue  # removed since opendir (anything else fails the listing:
+                # a damaged record must not make it silently short)
             if not pyfuse3.readdir_reply(token, name, self._e(a), i + 1):
                 break
             if name not in (b".", b".."):  # (the kernel takes no lookup of those)

@@ -27,6 +27,7 @@ outside a transaction is always fresh.
 from __future__ import annotations
 
 import abc
+import logging
 import random
 from typing import Awaitable, Callable, TypeVar
 
@@ -36,6 +37,7 @@ from ..errors import Conflict, FsError, Unavailable
 from . import seal as _seal
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 ENGINES: dict[str, str] = {
     "memory": "bmfs.kv.memory:MemoryKV",
@@ -131,7 +133,7 @@ class KV(abc.ABC):
         """The value stored as ``raw`` under ``key``.
 
         Raises:
-            MetaDamaged: its checksum does not match (logged, once per key).
+            MetaDamaged: its checksum does not match.
         """
         return _seal.unseal(key, raw) if self.sealed else raw
 
@@ -142,7 +144,8 @@ class KV(abc.ABC):
             return raw
         try:
             return _seal.unseal(key, raw)
-        except FsError:
+        except FsError as e:
+            log.warning("a watched change: %s", e)
             return None
 
     async def raw_get(self, key: bytes) -> bytes | None:
@@ -268,8 +271,8 @@ class Txn:
         value, rev = await kv._get(key)
         kv.keys_read += 1
         self.reads.setdefault(key, rev)
-        if value is not None:
-            value = kv.unseal(key, value)  # (a damaged value raises, its read recorded)
+        if value is not None and kv.sealed:
+            value = _seal.unseal(key, value)  # (damaged: raises, its read recorded)
         if self.reads[key] == rev:
             self._got[key] = value
         return value
@@ -297,7 +300,9 @@ class Txn:
             items = [kv for kv in items if kv[0] <= last]
         if limit:
             items = items[:limit]
-        unseal = self.kv.unseal
+        if not self.kv.sealed:
+            return items
+        unseal = _seal.unseal
         return [(k, unseal(k, v)) for k, v in items]
 
     def put(self, key: bytes, value: bytes) -> None:

@@ -202,6 +202,23 @@ async def check_records(kv, full: bool, problems: list[str], notes: list[str]) -
                      "(fsck --repair does not mend them)")
 
 
+async def fsck_records(path: str, full: bool) -> tuple[list[str], list[str]]:
+    """The record checks alone, for a volume that cannot be opened because a record
+    it needs to open (settings aside: those are refused by name) is damaged."""
+    from ..kv import open_kv
+    from .volume import read_settings, read_volume_file
+    info = read_volume_file(path)
+    kv = await open_kv(info["meta"])
+    try:
+        await read_settings(kv, path, info["meta"])
+        problems: list[str] = []
+        notes = ["the volume cannot be opened: only its records were checked"]
+        await check_records(kv, full, problems, notes)
+        return problems, notes
+    finally:
+        await kv.aclose()
+
+
 async def fsck(volume, full: bool = False, repair: bool = False) -> tuple[list[str], list[str]]:
     """Returns (problems, notes). The volume is consistent when problems is empty."""
     problems: list[str] = []

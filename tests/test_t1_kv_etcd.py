@@ -1,5 +1,6 @@
 """Level 1: the KV conformance suite, failover and watch on a real 3-member etcd cluster
 (with TLS client certificates and a root password, as `bmfs cluster up` runs it)."""
+import contextlib
 import json
 import socket
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 import trio
 
 from bmfs.cluster.etcd import EtcdCluster
-from bmfs.errors import Access, NotFound, Unavailable
+from bmfs.errors import Access, IOFailure, NotFound, Unavailable
 from bmfs.kv import open_kv, prefix_end
 from bmfs.kv.etcd import REQ_PREFIX, EtcdKV, _b64
 from bmfs.kv.etcd_auth import parse_url
@@ -577,3 +578,61 @@ def test_an_expired_token_is_renewed():
         trio.run(main)
     finally:
         cluster.stop()
+
+
+# -- history compaction (bmfs/kv/etcd_compact.py) ------------------------------------------
+def test_a_watch_resuming_from_compacted_history_says_so(etcd_cluster):
+    """A watch whose connection breaks resumes after the last change it delivered; if
+    the history it needs was compacted meanwhile, it fails (IOFailure) instead of
+    skipping changes silently, and the read cache, whose own watch fails the same
+    way, starts afresh: it never answers with a value from before the gap."""
+    etcd_cluster.wipe()
+
+    async def main(kv):
+        other = await open_kv(etcd_cluster.url)
+        real_stream, broken, gate = kv._client.stream, [False], trio.Event()
+
+        @contextlib.asynccontextmanager
+        async def stream(*args, **kw):  # the network: cut when told, back at the gate
+            if broken[0]:
+                await gate.wait()
+            async with real_stream(*args, **kw) as resp:
+                real_lines = resp.aiter_lines
+
+                async def lines():
+                    async for line in real_lines():
+                        if broken[0] and '"events"' in line:
+                            raise httpx.ReadError("connection dropped (simulated)")
+                        yield line
+                resp.aiter_lines = lines
+                yield resp
+        kv._client.stream = stream
+        kv._cache_watch_scope.cancel()  # the cache's watch starts again, through it
+        await trio.sleep(0.1)
+        try:
+            await _put(kv, b"w/a", b"1")
+            await _caches_live(kv)
+            with pytest.raises(IOFailure, match="compacted"):
+                async with kv.watch(b"w/") as changes:
+                    await _put(other, b"w/a", b"2")
+                    with trio.fail_after(5):
+                        assert await changes.receive() == (b"w/a", b"2")
+                    assert await kv.begin().get(b"w/a") == b"2"
+                    assert kv.cache.lookup(b"w/a")[0] == b"2"  # (from the cache)
+                    broken[0] = True
+                    await _put(other, b"w/a", b"3")  # cuts both watches' connections
+                    await _put(other, b"w/b", b"4")
+                    assert await other.compact(await other.revision())
+                    assert not await other.compact(await other.revision() - 1)
+                    broken[0] = False
+                    gate.set()
+                    with trio.fail_after(10):
+                        async for change in changes:  # nothing after the gap
+                            raise AssertionError(f"a change after a gap: {change}")
+            await _caches_live(kv)
+            assert kv.cache.lookup(b"w/a") is None  # the cache started afresh
+            txn = kv.begin()
+            assert (await txn.get(b"w/a"), await txn.get(b"w/b")) == (b"3", b"4")
+        finally:
+            await other.aclose()
+    run(etcd_cluster, main)

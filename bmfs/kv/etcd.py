@@ -62,11 +62,12 @@ import logging
 import httpx
 import trio
 
-from ..errors import Access, Conflict, IOFailure, NotFound, Unavailable
+from ..errors import Access, Conflict, IOFailure, NoSpace, NotFound, Unavailable
 from . import KV, merge_rows, prefix_end
 from .etcd_auth import (EtcdAccess, diagnose_tls, parse_url, refusal, tls_refusal,
                         token_expired)
 from .etcd_cache import COMPLETE_KEYS, ReadCache
+from .etcd_compact import Compactor
 from .etcd_wire import REQ_PREFIX, RESERVED, new_request_id  # noqa: F401  (re-exported)
 from .etcd_wire import b64 as _b64
 from .etcd_wire import unb64 as _unb64
@@ -152,6 +153,7 @@ class EtcdKV(KV):
         self._cache_scope: trio.CancelScope | None = None
         self._cache_watch_scope = trio.CancelScope()
         self._big: dict[bytes, float] = {}  # prefixes with too many keys to prefetch
+        self.compactor = Compactor(self)  # bmfs/kv/etcd_compact.py
 
     @classmethod
     async def create(cls, url: str, *, timeout: float = 10.0, request_timeout: float = 2.0,
@@ -255,6 +257,10 @@ class EtcdKV(KV):
         refused = refusal(msg, self.access)
         if refused is not None:
             raise refused
+        if "database space exceeded" in msg:  # (gRPC ResourceExhausted: not to retry)
+            raise NoSpace(f"etcd {where}: {msg} (its NOSPACE alarm is raised: the mount "
+                          "that leads the upkeep compacts, defragments and disarms it; "
+                          "docs/etcd.md, History)")
         too_big = _too_big(msg)
         if (status >= 500 or status == 429 or code in _RETRY_CODES) and not too_big:
             raise _Retry(f"HTTP {status}: {msg}")
@@ -359,7 +365,9 @@ class EtcdKV(KV):
 
     def statistics(self) -> dict:
         return {"commits": self.commits, "failovers": self.failovers,
-                "cache": self.cache.statistics(), "write_behind": self.wb.statistics()}
+                "authentications": self.authentications,
+                "cache": self.cache.statistics(), "write_behind": self.wb.statistics(),
+                "history": self.compactor.statistics()}
 
     def known_empty(self, prefixes) -> None:
         self.cache.known_empty(prefixes)
@@ -521,6 +529,76 @@ class EtcdKV(KV):
                 break
             await self.wb.recall(holder)
         return True
+
+    # -- history and maintenance (bmfs/kv/etcd_compact.py) -------------------------------
+    async def upkeep(self, leads):
+        """Keep etcd's history bounded while a mount runs (until cancelled)."""
+        await self.compactor.run(leads)
+
+    async def revision(self) -> int:
+        """etcd's current revision (read linearizably)."""
+        data = await self._call("/v3/kv/range", {"key": _b64(REQ_PREFIX), "count_only": True})
+        return _revision(data)
+
+    async def compact(self, revision: int) -> bool:
+        """Drop the history before ``revision`` (etcd keeps every key's value as of it),
+        and wait until its pages are free (so that a defragmentation after it frees
+        them). False if it was compacted that far already.
+
+        Raises:
+            Unavailable: no quorum within the timeout.
+        """
+        try:
+            await self._call("/v3/kv/compaction", {"revision": str(revision), "physical": True})
+        except IOFailure as e:
+            if "compacted" not in str(e):
+                raise
+            return False
+        return True
+
+    async def alarms(self) -> list[dict]:
+        """etcd's raised alarms: ``{"memberID": ..., "alarm": "NOSPACE"}`` each."""
+        return (await self._call("/v3/maintenance/alarm", {"action": "GET"})).get("alarms", [])
+
+    async def disarm(self, alarms: list[dict]) -> None:
+        for a in alarms:
+            await self._call("/v3/maintenance/alarm", {"action": "DEACTIVATE", **a})
+
+    async def members_status(self) -> dict[str, dict | None]:
+        """Each endpoint's status (database sizes, leader), None where it does not answer."""
+        out: dict[str, dict | None] = {}
+        for ep in self.endpoints:
+            try:
+                out[ep] = await self._call_at(ep, "/v3/maintenance/status", {})
+            except (Unavailable, IOFailure):
+                out[ep] = None
+        return out
+
+    async def defragment(self, ep: str) -> None:
+        """Have the member at ``ep`` rewrite its database file without free pages (it
+        answers nothing else meanwhile)."""
+        await self._call_at(ep, "/v3/maintenance/defragment", {}, timeout=max(60, self.timeout))
+
+    async def _call_at(self, ep: str, path: str, body: dict, timeout: float | None = None):
+        """One request to the member at ``ep`` (no failover), with the token.
+
+        Raises:
+            Unavailable: it did not answer in ``timeout`` (default request_timeout).
+            IOFailure, Access: it refused the request.
+        """
+        for again in (False, True):
+            token = self._token
+            try:
+                with trio.fail_after(timeout or self.request_timeout):
+                    resp = await self._client.post(ep + path, json=body,
+                                                   headers=self._headers(token))
+                    return self._check(ep + path, resp.status_code, _json(ep, resp))
+            except _Expired:
+                if again:
+                    raise Unavailable(f"etcd {ep}: the token is not taken") from None
+                await self._authenticate(token)
+            except (httpx.HTTPError, ValueError, _Retry, trio.TooSlowError) as e:
+                raise Unavailable(f"etcd {ep}{path}: {_why(e)}") from None
 
     # -- leases (node liveness) --------------------------------------------------------
     async def grant_lease(self, ttl: int, timeout: float | None = None) -> int:

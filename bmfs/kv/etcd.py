@@ -16,6 +16,11 @@ committed and the commit returns success. Compares are on ``mod_revision``, whic
 grows, so a late-applied earlier attempt can never succeed after a retry reported
 Conflict.
 
+Access: the URL's options name a CA, a client certificate and a user's password file
+(bmfs/kv/etcd_auth.py); with a user, every request carries a token, fetched again
+once when etcd says it is invalid. History: ``upkeep`` compacts it and defragments
+members (bmfs/kv/etcd_compact.py).
+
 Reserved keys: keys starting with :data:`RESERVED` (four 0xFF bytes) belong to the
 engine. Every key >= RESERVED starts with it, so ranges simply end there and the ids
 never show up in ``range`` (the conformance suite ranges over the whole keyspace). The
@@ -657,7 +662,9 @@ class EtcdKV(KV):
         Raises:
             Unavailable: (from the ``async with``) no endpoint could be watched for
                 ``timeout`` seconds.
-            IOFailure: etcd compacted away the revisions needed to resume.
+            IOFailure: etcd compacted away the revisions needed to resume: changes
+                may have been missed, read the state afresh.
+            Access: etcd refused the credentials.
         """
         send, recv = trio.open_memory_channel(256)
         try:

@@ -1,9 +1,12 @@
 """A real 3-member etcd cluster for tests (bmfs/cluster/etcd.py starts the members).
 
-``EtcdCluster()`` starts the members in a temporary directory, waits until every one is
-healthy and offers ``url`` (for ``EtcdKV.create`` and mkfs), ``pids``,
-``leader_index()``, ``kill(i)`` (SIGKILL by pid), ``restart(i)``, ``wipe()`` and
-``stop()`` (kills the members it started by pid and removes the directory). The
+``EtcdCluster()`` starts the members in a temporary directory, secure as `bmfs cluster
+up` runs them (TLS client certificates and a root password: ``creds``), waits until
+every one is healthy and offers ``url`` (for ``EtcdKV.create`` and mkfs; it names the
+credentials' files), ``url_of(indices)``, ``post(i, path, body)`` (an authenticated
+gateway request), ``pids``, ``leader_index()``, ``kill(i)`` (SIGKILL by pid),
+``restart(i)``, ``wipe()`` and ``stop()`` (kills the members it started by pid and
+removes the directory). The
 ``etcd_cluster`` fixture gives one cluster per test module and skips when the etcd
 binary is missing (``tools/setup.sh --test`` installs it).
 """

@@ -1,14 +1,21 @@
-"""Level 1: the KV conformance suite, failover and watch on a real 3-member etcd cluster."""
+"""Level 1: the KV conformance suite, failover and watch on a real 3-member etcd cluster
+(with TLS client certificates and a root password, as `bmfs cluster up` runs it)."""
+import contextlib
+import json
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 import trio
 
-from bmfs.errors import NotFound, Unavailable
+from bmfs.cluster.etcd import EtcdCluster
+from bmfs.errors import Access, IOFailure, NotFound, Unavailable
 from bmfs.kv import open_kv, prefix_end
 from bmfs.kv.etcd import REQ_PREFIX, EtcdKV, _b64
+from bmfs.kv.etcd_auth import parse_url
 from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
 from kv_conformance import CHECKS
 
@@ -96,7 +103,7 @@ def test_leader_kill_loses_no_acknowledged_increment(etcd_cluster, talking_to):
     leader = etcd_cluster.leader_index()
     first = leader if talking_to == "leader" else (leader + 1) % 3
     order = [first] + [i for i in range(3) if i != first]
-    url = "etcd://" + ",".join(f"127.0.0.1:{etcd_cluster.client_ports[i]}" for i in order)
+    url = etcd_cluster.url_of(order)
     acks: list[float] = []
     kill_at = [float("inf")]
 
@@ -147,7 +154,7 @@ def test_unreachable_endpoints_give_unavailable():
         assert hosts[0] in str(exc.value)
 
         async def cut_off():
-            kv = EtcdKV(url, [f"http://{h}" for h in hosts], timeout=1.5, request_timeout=0.5)
+            kv = EtcdKV(url, parse_url(url), timeout=1.5, request_timeout=0.5)
             try:
                 await kv.get(b"x")
             finally:
@@ -227,7 +234,7 @@ def test_watch_ends_when_quorum_is_lost(etcd_cluster):
     lone = 2
 
     async def main():
-        kv = await EtcdKV.create(f"etcd://127.0.0.1:{etcd_cluster.client_ports[lone]}", timeout=1)
+        kv = await EtcdKV.create(etcd_cluster.url_of([lone]), timeout=1)
         try:
             with trio.fail_after(15):
                 with pytest.raises(Unavailable, match="no leader"):
@@ -468,4 +475,164 @@ def test_write_behind_sync_under_load(etcd_cluster):
             assert committed >= before and still_busy
         finally:
             await c.aclose()
+    run(etcd_cluster, main)
+
+
+# -- authentication (certificates and a root password: bmfs/kv/etcd_auth.py) -------------
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def _curl(*args, user=()):
+    r = subprocess.run([*user, "curl", "-s", "-m", "5", *args], capture_output=True)
+    return r.returncode, r.stdout.decode(errors="replace")
+
+
+def test_unauthenticated_requests_get_nothing(etcd_cluster):
+    """What a local user (nobody), or anyone who reaches the members' ports, gets from
+    each member: no TLS without a certificate of the cluster's CA (and they cannot read
+    the CA's, the client's or the password's files); and even with the client
+    certificate but no password, etcd reads and writes nothing."""
+    etcd_cluster.wipe()
+    secret = b"the content of root's 0600 file"
+    run(etcd_cluster, lambda kv: _put(kv, b"t/0000000000000002@00000001", secret))
+    key = _b64(b"t/0000000000000002@00000001")
+    every = {"key": _b64(b"\0"), "range_end": _b64(b"\0")}
+    creds = etcd_cluster.creds
+    for f in (creds.ca, creds.cert, creds.key, creds.password_file):
+        assert subprocess.run([*NOBODY, "cat", f], capture_output=True).returncode != 0
+    for i, ep in enumerate(etcd_cluster.endpoints):
+        http = ep.replace("https://", "http://")
+        for path, body in [("/v3/kv/range", every), ("/v3/kv/put", {"key": key, "value": "eA=="}),
+                           ("/v3/kv/deleterange", every)]:
+            for args in ([http + path, "-d", json.dumps(body)],          # plain http
+                         ["-k", ep + path, "-d", json.dumps(body)]):   # https, no certificate
+                code, out = _curl(*args, user=NOBODY)
+                assert _b64(secret) not in out and '"kvs"' not in out and '"header"' not in out, \
+                    (args, code, out)
+            # the client certificate without the password (as root, who can read it)
+            code, out = _curl("--cacert", creds.ca, "--cert", creds.cert, "--key", creds.key,
+                              ep + path, "-d", json.dumps(body))
+            assert code == 0 and "permission denied" in out or "user name is empty" in out, out
+            assert _b64(secret) not in out
+    # nothing was written or deleted
+    assert run(etcd_cluster, lambda kv: kv.range(b"", b"")) == [
+        (b"t/0000000000000002@00000001", secret)]
+
+
+def test_wrong_credentials_are_clear_errors(etcd_cluster, tmp_path):
+    """A wrong password, a missing client certificate, a URL without the CA or without
+    a user: each fails at once with one error saying what to fix, through the engine
+    and through the CLI (exit 2, one line)."""
+    creds = etcd_cluster.creds
+    wrong = tmp_path / "wrong.password"
+    wrong.write_text("not the password\n")
+    wrong.chmod(0o600)
+    url = etcd_cluster.url
+    no_opts = url.split("?")[0]
+    cases = {
+        url.replace(creds.password_file, str(wrong)): "authentication failed",
+        url.replace(f"&cert={creds.cert}&key={creds.key}", ""): "TLS refused",
+        f"{no_opts}?cacert={creds.ca}&cert={creds.cert}&key={creds.key}":
+            "requires authentication",
+        no_opts: "speaks https",
+        url.replace(creds.key, str(tmp_path / "missing.key")): "cannot use the client cert",
+        url + "&colour=blue": "unknown etcd URL option",
+        url.replace(f"cacert={creds.ca}", "cacert=ca.crt"): "absolute path",
+    }
+    for bad, says in cases.items():
+        t0 = time.monotonic()
+        with pytest.raises((Access, ValueError), match=says):
+            trio.run(EtcdKV.create, bad)
+        print(f"{says}: {time.monotonic() - t0:.2f} s")
+        assert time.monotonic() - t0 < 6, (bad, time.monotonic() - t0)  # (connect timeout 3 s)
+    for bad, says in list(cases.items())[:2]:
+        r = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "mkfs", str(tmp_path / "v"),
+                            "--meta", bad], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and says in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_an_expired_token_is_renewed():
+    """etcd forgets a token unused for --auth-token-ttl: the engine authenticates again
+    and its requests, and a watch it starts afterwards, go on (also once the member
+    has restarted)."""
+    cluster = EtcdCluster(size=1, flags=("--auth-token-ttl", "1"))
+    try:
+        async def main():
+            kv = await EtcdKV.create(cluster.url, cache=False)
+            try:
+                await _put(kv, b"a", b"1")
+                await trio.sleep(2.5)  # the token expires
+                assert await kv.get(b"a") == b"1"
+                assert kv.authentications == 2
+                await trio.sleep(2.5)
+                async with kv.watch(b"w/") as changes:
+                    await _put(kv, b"w/x", b"2")
+                    with trio.fail_after(5):
+                        assert await changes.receive() == (b"w/x", b"2")
+                assert kv.authentications == 3
+                cluster.restart(0)
+                assert await kv.get(b"a") == b"1"
+            finally:
+                await kv.aclose()
+        trio.run(main)
+    finally:
+        cluster.stop()
+
+
+# -- history compaction (bmfs/kv/etcd_compact.py) ------------------------------------------
+def test_a_watch_resuming_from_compacted_history_says_so(etcd_cluster):
+    """A watch whose connection breaks resumes after the last change it delivered; if
+    the history it needs was compacted meanwhile, it fails (IOFailure) instead of
+    skipping changes silently, and the read cache, whose own watch fails the same
+    way, starts afresh: it never answers with a value from before the gap."""
+    etcd_cluster.wipe()
+
+    async def main(kv):
+        other = await open_kv(etcd_cluster.url)
+        real_stream, broken, gate = kv._client.stream, [False], trio.Event()
+
+        @contextlib.asynccontextmanager
+        async def stream(*args, **kw):  # the network: cut when told, back at the gate
+            if broken[0]:
+                await gate.wait()
+            async with real_stream(*args, **kw) as resp:
+                real_lines = resp.aiter_lines
+
+                async def lines():
+                    async for line in real_lines():
+                        if broken[0] and '"events"' in line:
+                            raise httpx.ReadError("connection dropped (simulated)")
+                        yield line
+                resp.aiter_lines = lines
+                yield resp
+        kv._client.stream = stream
+        kv._cache_watch_scope.cancel()  # the cache's watch starts again, through it
+        await trio.sleep(0.1)
+        try:
+            await _put(kv, b"w/a", b"1")
+            await _caches_live(kv)
+            with pytest.raises(IOFailure, match="compacted"):
+                async with kv.watch(b"w/") as changes:
+                    await _put(other, b"w/a", b"2")
+                    with trio.fail_after(5):
+                        assert await changes.receive() == (b"w/a", b"2")
+                    assert await kv.begin().get(b"w/a") == b"2"
+                    assert kv.cache.lookup(b"w/a")[0] == b"2"  # (from the cache)
+                    broken[0] = True
+                    await _put(other, b"w/a", b"3")  # cuts both watches' connections
+                    await _put(other, b"w/b", b"4")
+                    assert await other.compact(await other.revision())
+                    assert not await other.compact(await other.revision() - 1)
+                    broken[0] = False
+                    gate.set()
+                    with trio.fail_after(10):
+                        async for change in changes:  # nothing after the gap
+                            raise AssertionError(f"a change after a gap: {change}")
+            await _caches_live(kv)
+            assert kv.cache.lookup(b"w/a") is None  # the cache started afresh
+            txn = kv.begin()
+            assert (await txn.get(b"w/a"), await txn.get(b"w/b")) == (b"3", b"4")
+        finally:
+            await other.aclose()
     run(etcd_cluster, main)

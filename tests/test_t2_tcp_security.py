@@ -235,11 +235,12 @@ def test_oversized_preauth_frames_are_refused_unallocated(tmp_path):
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    from bmfs.cluster.certs import make_ca_and_certs
+    from bmfs.cluster.certs import make_ca_and_certs, member_files
     base = tmp_path_factory.mktemp("tls")
     made = make_ca_and_certs(str(base / "ca"), ["node", "client"])
     other = make_ca_and_certs(str(base / "other"), ["intruder"])
-    return {name: TlsConfig(**paths) for name, paths in {**made, **other}.items()}
+    return {**{name: TlsConfig(**member_files(made, name)) for name in ("node", "client")},
+            "intruder": TlsConfig(**member_files(other, "intruder"))}
 
 
 def test_reads_and_writes_over_tls_take_the_python_paths(tmp_path, certs, monkeypatch):

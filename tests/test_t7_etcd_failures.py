@@ -21,7 +21,7 @@ import trio
 from bmfs.errors import IOFailure
 from bmfs.kv import open_kv
 from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
-from mountutil import Mounted, bmfs, is_mounted
+from mountutil import Mounted, assert_fsck_clean, bmfs, is_mounted
 from multimount import etcd_volume, run_worker
 
 
@@ -321,5 +321,102 @@ def test_big_file_freed_in_batches(tmp_path, monkeypatch):
                 assert not await fs.kv.range(b"o/", b"o0")
             # open_fs ends with fsck: reference counts and entries agree
         trio.run(main)
+    finally:
+        cluster.stop()
+
+
+# -- etcd's history under churn (bmfs/kv/etcd_compact.py) ----------------------------------
+QUOTA = 4 << 20  # etcd's --quota-backend-bytes for these tests: the churn below writes
+#                  about 2.5 times as much history (8 KiB files live inline in etcd)
+
+
+def _churn(mp, rounds: int, sizes: list, cluster, held: list | None = None) -> None:
+    """``rounds`` times: create 20 files of 8 KiB, fsync the directory (their keys are
+    committed), unlink them, fsync again; note etcd's database size every 5 rounds.
+    With ``held``, an fsync that fails with EIO (writes held for longer than the
+    engine's timeout) is noted there and done again."""
+    os.makedirs(f"{mp}/d", exist_ok=True)
+    data = os.urandom(8192)
+    fd = os.open(f"{mp}/d", os.O_RDONLY)
+
+    def fsync():
+        for _ in range(5):
+            try:
+                return os.fsync(fd)
+            except OSError as e:
+                if held is None or e.errno != errno.EIO:
+                    raise
+                held.append(e)
+        os.fsync(fd)
+    try:
+        for r in range(rounds):
+            for i in range(20):
+                with open(f"{mp}/d/f{i}", "wb") as f:
+                    f.write(data)
+            fsync()
+            for i in range(20):
+                os.unlink(f"{mp}/d/f{i}")
+            fsync()
+            if r % 5 == 4:
+                sizes.append(int(cluster.status(0)["dbSize"]))
+    finally:
+        os.close(fd)
+
+
+def _churn_cluster(tmp_path, monkeypatch, window: float):
+    from bmfs.cluster.etcd import EtcdCluster
+    monkeypatch.setenv("BMFS_ETCD_COMPACT_INTERVAL", "0.5")  # (the mount's environment)
+    monkeypatch.setenv("BMFS_ETCD_COMPACT_WINDOW", str(window))
+    monkeypatch.setenv("BMFS_ETCD_DEFRAG_MIN", str(1 << 20))
+    cluster = EtcdCluster(size=1, flags=("--quota-backend-bytes", str(QUOTA)))
+    bmfs("mkfs", tmp_path / "vol", "--meta", cluster.url)
+    return cluster
+
+
+def test_long_churn_keeps_etcds_database_bounded(tmp_path, monkeypatch):
+    """Files created and unlinked over and over, 2.5 times etcd's quota of history:
+    the mount that leads the upkeep compacts etcd's history (here every 0.5 s, keeping
+    1 s), so every operation succeeds and the database stays well under the quota.
+    Without compaction, etcd refuses writes (NOSPACE) after a third of the rounds."""
+    cluster = _churn_cluster(tmp_path, monkeypatch, window=1)
+    sizes: list[int] = []
+    try:
+        with Mounted(tmp_path / "vol", tmp_path / "mnt"):
+            _churn(tmp_path / "mnt", 30, sizes, cluster)
+        print(f"\netcd database size every 5 rounds of 20 create/unlink pairs of 8 KiB "
+              f"files (quota {QUOTA}): {sizes}")
+        assert max(sizes) < QUOTA * 3 // 4
+        assert not cluster.post(0, "/v3/maintenance/alarm", {"action": "GET"}).get("alarms")
+        log = (tmp_path / "vol" / "mount.log").read_text(errors="replace")
+        assert " ERROR " not in log and "alarm" not in log, log[-2000:]
+    finally:
+        cluster.stop()
+
+
+def test_etcds_nospace_alarm_is_cleared_by_the_upkeep(tmp_path, monkeypatch):
+    """When etcd's database reaches its quota all the same (here the history kept is
+    an hour: nothing is compacted by age), the mount that leads the upkeep compacts
+    the history, defragments the member and disarms the NOSPACE alarm: writes held
+    meanwhile go through, nothing acknowledged is lost, fsck is clean."""
+    cluster = _churn_cluster(tmp_path, monkeypatch, window=3600)
+    sizes: list[int] = []
+    held: list[OSError] = []
+    try:
+        with Mounted(tmp_path / "vol", tmp_path / "mnt"):
+            # (an fsync waits for the alarm to be cleared; on a loaded machine that
+            # can outlast the engine's timeout: it then fails with EIO, is noted and
+            # done again, as a program would)
+            _churn(tmp_path / "mnt", 25, sizes, cluster, held)
+            print(f"\nfsyncs held past the engine's timeout by the NOSPACE alarm: {len(held)}")
+            (tmp_path / "mnt" / "kept").write_bytes(b"written after the alarm")
+        log = (tmp_path / "vol" / "mount.log").read_text(errors="replace")
+        assert "NOSPACE alarm was raised" in log and " ERROR " not in log, log[-2000:]
+        assert "lost" not in log
+        assert not cluster.post(0, "/v3/maintenance/alarm", {"action": "GET"}).get("alarms")
+        with Mounted(tmp_path / "vol", tmp_path / "mnt"):
+            assert sorted(os.listdir(tmp_path / "mnt")) == ["d", "kept"]
+            assert not os.listdir(tmp_path / "mnt" / "d")
+            assert (tmp_path / "mnt" / "kept").read_bytes() == b"written after the alarm"
+        assert_fsck_clean(tmp_path / "vol")
     finally:
         cluster.stop()

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from bmfs.cluster.etcd import ETCD, _post
+from bmfs.cluster.etcd import ETCD
 from bmfs.fuse.mount import GC_INTERVAL
 from bmfs.proc import alive
 
@@ -340,7 +340,7 @@ def _orphan_records(cluster) -> dict:
     """The volume's orphan records (o/LAYER/INO -> value), read from etcd directly."""
     b64 = base64.b64encode
     body = {"key": b64(b"o/").decode(), "range_end": b64(b"o0").decode()}
-    kvs = _post(cluster.endpoints[0], "/v3/kv/range", body).get("kvs", [])
+    kvs = cluster.post(0, "/v3/kv/range", body).get("kvs", [])
     return {base64.b64decode(kv["key"]): base64.b64decode(kv.get("value", "")) for kv in kvs}
 
 
@@ -417,7 +417,7 @@ def test_deferred_frees_of_a_lone_mount_and_under_a_snapshot(etcd_cluster, tmp_p
 def _revision(cluster) -> int:
     """etcd's revision now: every committed transaction that writes adds one."""
     body = {"key": base64.b64encode(b"v/").decode(), "count_only": True}
-    return int(_post(cluster.endpoints[0], "/v3/kv/range", body)["header"]["revision"])
+    return int(cluster.post(0, "/v3/kv/range", body)["header"]["revision"])
 
 
 def test_deferred_frees_of_many_small_files_go_together(etcd_cluster, tmp_path, monkeypatch):

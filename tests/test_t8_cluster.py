@@ -1,4 +1,5 @@
 """Level 6: a 6-node 4+2 cluster of real node processes on loopback; failures."""
+import base64
 import hashlib
 import json
 import os
@@ -528,6 +529,55 @@ def test_down_then_start_brings_the_cluster_back(tmp_path, meta):
     assert not any(alive(p["pid"]) for p in procs)
 
 
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def test_an_etcd_cluster_lets_in_only_its_credentials(tmp_path):
+    """`cluster up --meta etcd` turns etcd's authentication on: the mount works, while
+    a local user (nobody) gets nothing from any member, over http or https, reads no
+    credential file, and finds the password in no file or argv it can read."""
+    if not os.access(ETCD, os.X_OK):
+        pytest.skip(f"etcd not installed ({ETCD})")
+    mp = tmp_path / "mnt"
+    secret = b"root's secret, inline in the metadata"
+    with Cluster(tmp_path / "cluster", "--meta", "etcd") as c:
+        with Mounted(c.dir, mp):
+            (mp / "f").write_bytes(secret)
+            os.chmod(mp / "f", 0o600)
+            info = c.info
+            etcd_dir = os.path.join(c.dir, "etcd")
+            password = open(os.path.join(etcd_dir, "root.password")).read().strip()
+            assert oct(os.stat(etcd_dir).st_mode & 0o777) == "0o700"
+            for f in ["root.password", "pki/client.key", "pki/ca.key", "pki/m0.key"]:
+                assert oct(os.stat(os.path.join(etcd_dir, f)).st_mode & 0o777) == "0o600", f
+                r = subprocess.run([*NOBODY, "cat", os.path.join(etcd_dir, f)],
+                                   capture_output=True)
+                assert r.returncode != 0
+            every = json.dumps({"key": "AA==", "range_end": "AA=="})
+            put = json.dumps({"key": base64.b64encode(b"b/main").decode(), "value": "eA=="})
+            for member in info["etcd"]:
+                for scheme, extra in [("http", []), ("https", ["-k"])]:
+                    for path, body in [("/v3/kv/range", every), ("/v3/kv/put", put),
+                                       ("/v3/kv/deleterange", every)]:
+                        r = subprocess.run([*NOBODY, "curl", "-s", "-m", "5", *extra,
+                                            f"{scheme}://{member['client']}{path}", "-d", body],
+                                           capture_output=True)
+                        out = r.stdout.decode(errors="replace")
+                        assert '"header"' not in out and base64.b64encode(secret).decode() \
+                            not in out, (member, scheme, path, out)
+            # the password is in no file of the volume but its own, nor in any argv
+            for name in ["volume.json", "cluster.json"]:
+                assert password not in open(os.path.join(c.dir, name)).read()
+            pids = [n["pid"] for n in info["nodes"]] + [m["pid"] for m in info["etcd"]]
+            pids.append(int(open(os.path.join(c.dir, "mount.pid")).read().split()[0]))
+            for pid in pids:
+                assert password.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
+            assert (mp / "f").read_bytes() == secret  # nothing was changed either
+        with Mounted(c.dir, mp):
+            assert (mp / "f").read_bytes() == secret
+        assert_fsck_clean(c.dir)
+
+
 def test_start_without_a_cluster_is_one_line(tmp_path):
     res = bmfs("cluster", "start", tmp_path / "none", check=False)
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
@@ -719,7 +769,7 @@ def test_tls_cluster_end_to_end(tmp_path):
         assert all(os.stat(os.path.join(tls_dir, f)).st_mode & 0o777 == 0o600
                    for f in os.listdir(tls_dir))
         with open(os.path.join(c.dir, "volume.json")) as f:
-            assert json.load(f)["tls"]["ca"] == "tls/ca.pem"
+            assert json.load(f)["tls"]["ca"] == "tls/ca.crt"
         mp = tmp_path / "mnt"
         with Mounted(c.dir, mp):
             digests = _write_varied(mp, 24 << 20)

@@ -148,16 +148,16 @@ def _make_tls(directory: str, names: list[str]) -> dict:
     """Certificates for ``names`` and the mounts' ("client", named in volume.json's tls
     section) from the CA in DIR/tls (made at the first call)."""
     from ..vfs.volume import VOLUME_FILE
-    from .certs import make_ca_and_certs
-    certs = make_ca_and_certs(os.path.join(directory, "tls"), names + ["client"])
+    from .certs import make_ca_and_certs, member_files
+    made = make_ca_and_certs(os.path.join(directory, "tls"), names + ["client"])
     path = os.path.join(directory, VOLUME_FILE)
     with open(path) as f:
         volume = json.load(f)
-    volume["tls"] = {"cert": "tls/client.pem", "key": "tls/client.key", "ca": "tls/ca.pem"}
+    volume["tls"] = {"cert": "tls/client.crt", "key": "tls/client.key", "ca": "tls/ca.crt"}
     with open(path + ".tmp", "w") as f:
         json.dump(volume, f)
     os.rename(path + ".tmp", path)
-    return certs
+    return {name: member_files(made, name) for name in names}
 
 
 def drop_node(directory: str, node: dict) -> None:

@@ -81,6 +81,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                 if shared:
                     nursery.start_soon(watch_devices, fs)
                     nursery.start_soon(session.confirm_devices, fs)
+                    nursery.start_soon(volume.kv.upkeep, lambda: session.leads_repair(fs))
                 nursery.start_soon(_signals)
                 nursery.start_soon(ops.idle.run)
                 await pyfuse3.main(min_tasks=4, max_tasks=64)

@@ -180,6 +180,11 @@ class KV(abc.ABC):
         """Engine-specific counters for `bmfs status --json` (``meta_engine``)."""
         return {}
 
+    async def upkeep(self, leads: Callable[[], Awaitable[bool]]) -> None:
+        """The engine's own housekeeping, run by every mount until cancelled; work that
+        one mount of a volume does is done while ``leads()`` says this one leads
+        (etcd: compacting its history, bmfs/kv/etcd_compact.py). None here."""
+
     def known_empty(self, prefixes) -> None:
         """Hint: no key under any of ``prefixes`` exists yet (the keys of an inode number
         just allocated). Engines with a read cache use it to answer reads there locally."""

@@ -16,6 +16,11 @@ committed and the commit returns success. Compares are on ``mod_revision``, whic
 grows, so a late-applied earlier attempt can never succeed after a retry reported
 Conflict.
 
+Access: the URL's options name a CA, a client certificate and a user's password file
+(bmfs/kv/etcd_auth.py); with a user, every request carries a token, fetched again
+once when etcd says it is invalid. History: ``upkeep`` compacts it and defragments
+members (bmfs/kv/etcd_compact.py).
+
 Reserved keys: keys starting with :data:`RESERVED` (four 0xFF bytes) belong to the
 engine. Every key >= RESERVED starts with it, so ranges simply end there and the ids
 never show up in ``range`` (the conformance suite ranges over the whole keyspace). The
@@ -57,17 +62,23 @@ from __future__ import annotations
 import contextlib
 import json
 
+import logging
+
 import httpx
 import trio
 
-from ..errors import Conflict, IOFailure, NotFound, Unavailable
+from ..errors import Access, Conflict, IOFailure, NoSpace, NotFound, Unavailable
 from . import KV, merge_rows, prefix_end
+from .etcd_auth import (EtcdAccess, diagnose_tls, parse_url, refusal, tls_refusal,
+                        token_expired)
 from .etcd_cache import COMPLETE_KEYS, ReadCache
+from .etcd_compact import Compactor
 from .etcd_wire import REQ_PREFIX, RESERVED, new_request_id  # noqa: F401  (re-exported)
 from .etcd_wire import b64 as _b64
 from .etcd_wire import unb64 as _unb64
 from .etcd_writeback import WriteBehind
 
+log = logging.getLogger(__name__)
 REQ_TTL = 600                   # seconds of the lease request ids are attached to
 BIG_PREFIX_PAUSE = 60.0         # seconds before prefetch tries a too-big prefix again
 _RETRY_CODES = {4, 8, 14}       # gRPC DeadlineExceeded, ResourceExhausted, Unavailable
@@ -102,22 +113,39 @@ class _Retry(Exception):
     """An endpoint failed in a way another endpoint, or a later try, may not."""
 
 
+class _Expired(_Retry):
+    """etcd no longer takes the token sent: authenticate again (etcd_auth.py)."""
+
+
 def _why(e: Exception) -> str:
     return str(e) if isinstance(e, _Retry) else f"{type(e).__name__}: {e}"
+
+
+def _json(ep: str, resp: httpx.Response) -> dict:
+    """The JSON of a gateway answer (ValueError if it is none)."""
+    if resp.status_code == 400 and b"HTTPS server" in resp.content[:200]:
+        raise Access(f"etcd {ep} speaks https: give cacert= (and cert=, key= if it "
+                     "checks client certificates) in the etcd URL")
+    return resp.json()
 
 
 class EtcdKV(KV):
     """The KV interface on an etcd cluster, plus leases and watches (see the module doc)."""
 
-    def __init__(self, url: str, endpoints: list[str], *, timeout: float = 10.0,
+    def __init__(self, url: str, access: EtcdAccess, *, timeout: float = 10.0,
                  request_timeout: float = 2.0):
         self.url = url
-        self.endpoints = endpoints
+        self.access = access
+        self.endpoints = list(access.endpoints)
         self.timeout = timeout
         self.request_timeout = request_timeout
         self._cur = 0  # index of the endpoint in use
-        self._inflight: list[set[trio.CancelScope]] = [set() for _ in endpoints]
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=request_timeout))
+        self._inflight: list[set[trio.CancelScope]] = [set() for _ in self.endpoints]
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=request_timeout),
+                                         verify=access.tls or True)
+        self._token: str | None = None  # etcd's auth token (with a user in the URL)
+        self._auth_lock = trio.Lock()
+        self.authentications = 0  # statistics: tokens obtained
         self._req_lease = (0, float("-inf"))  # (lease id, trio time it was granted)
         self._lease_lock = trio.Lock()
         self.commits = 0    # statistics: transactions applied
@@ -130,25 +158,37 @@ class EtcdKV(KV):
         self._cache_scope: trio.CancelScope | None = None
         self._cache_watch_scope = trio.CancelScope()
         self._big: dict[bytes, float] = {}  # prefixes with too many keys to prefetch
+        self.compactor = Compactor(self)  # bmfs/kv/etcd_compact.py
 
     @classmethod
     async def create(cls, url: str, *, timeout: float = 10.0, request_timeout: float = 2.0,
                      connect_timeout: float = 3.0, cache: bool = True) -> "EtcdKV":
-        """Connect to the cluster named by ``etcd://host:port,host:port,...``; with
-        ``cache``, keep a read cache (bmfs/kv/etcd_cache.py).
+        """Connect to the cluster named by ``etcd://host:port,host:port,...[?options]``
+        (certificates, user and password file: bmfs/kv/etcd_auth.py); with ``cache``,
+        keep a read cache (bmfs/kv/etcd_cache.py).
 
         Raises:
-            ValueError: the URL names no endpoint.
+            ValueError: the URL names no endpoint, or its options are wrong.
+            Access: etcd refused the certificates, the user or the password, or
+                requires credentials the URL does not give; or a file it names
+                cannot be read.
             Unavailable: no quorum answered within ``connect_timeout`` seconds.
         """
-        hosts = [h for h in url.split("://", 1)[-1].strip("/").split(",") if h]
-        if not hosts:
-            raise ValueError(f"etcd URL needs endpoints, e.g. etcd://10.0.0.1:2379,10.0.0.2:2379 "
-                             f"(got {url!r})")
-        kv = cls(url, [f"http://{h}" for h in hosts], timeout=timeout,
+        kv = cls(url, parse_url(url), timeout=timeout,
                  request_timeout=min(request_timeout, connect_timeout))
         try:
+            if kv.access.user is not None:
+                await kv._authenticate(None, connect_timeout)
             await kv._request_lease(timeout=connect_timeout)  # a write: proves a quorum
+            # (granting a lease needs no user: a read proves etcd lets us in)
+            await kv._call("/v3/kv/range", {"key": _b64(REQ_PREFIX), "count_only": True},
+                           connect_timeout)
+        except Unavailable as e:
+            await kv.aclose()
+            why = await trio.to_thread.run_sync(diagnose_tls, kv.access, kv.endpoints[0])
+            if why:
+                raise Access(why) from None
+            raise e
         except BaseException:
             await kv.aclose()
             raise
@@ -172,26 +212,41 @@ class EtcdKV(KV):
         deadline = trio.current_time() + (timeout or self.timeout)
         errors: dict[str, str] = {}
         attempt = 0
+        reauthenticated = False
+        # (authentication itself is sent without a token)
+        send_token = path != "/v3/auth/authenticate"
         while True:
             i = self._cur
             ep = self.endpoints[i]
             wait = max(0.05, min(self.request_timeout, deadline - trio.current_time()))
             err = "no answer in time (or the endpoint failed another request)"
+            token = self._token if send_token else None
+            expired = False
             with trio.move_on_after(wait) as scope:
                 self._inflight[i].add(scope)
                 try:
-                    resp = await self._client.post(ep + path, json=body)
-                    return self._check(ep + path, resp.status_code, resp.json())
+                    resp = await self._client.post(ep + path, json=body,
+                                                   headers=self._headers(token))
+                    return self._check(ep + path, resp.status_code, _json(ep, resp))
+                except _Expired as e:
+                    expired, err = True, _why(e)
                 except (httpx.HTTPError, ValueError, _Retry) as e:
+                    self._refused_tls(ep, e)
                     err = _why(e)
                 finally:
                     self._inflight[i].discard(scope)
+            if expired and not reauthenticated:  # a token that worked before: a new one
+                reauthenticated = True           # (a new one refused: the member lags)
+                await self._authenticate(token, max(0.05, deadline - trio.current_time()))
+                continue
             errors[ep] = err
             await self._failover(i, attempt, deadline, errors)
             attempt += 1
 
-    @staticmethod
-    def _check(where: str, status: int, data: dict) -> dict:
+    def _headers(self, token: str | None) -> dict | None:
+        return {"Authorization": token} if token else None
+
+    def _check(self, where: str, status: int, data: dict) -> dict:
         """The payload of a gateway answer, or the error it carries raised."""
         data = data.get("result", data)  # streaming calls (watch, keepalive) wrap answers
         error = data.get("error")
@@ -201,12 +256,55 @@ class EtcdKV(KV):
             code, msg = error.get("grpc_code"), error.get("message")
         else:
             code, msg = data.get("code"), data.get("message") or error
-        too_big = _too_big(str(msg))
+        msg = str(msg)
+        if token_expired(msg):
+            raise _Expired(f"HTTP {status}: {msg}")
+        refused = refusal(msg, self.access)
+        if refused is not None:
+            raise refused
+        if "database space exceeded" in msg:  # (gRPC ResourceExhausted: not to retry)
+            raise NoSpace(f"etcd {where}: {msg} (its NOSPACE alarm is raised: the mount "
+                          "that leads the upkeep compacts, defragments and disarms it; "
+                          "docs/etcd.md, History)")
+        too_big = _too_big(msg)
         if (status >= 500 or status == 429 or code in _RETRY_CODES) and not too_big:
             raise _Retry(f"HTTP {status}: {msg}")
         if code == 5:
             raise NotFound(f"etcd: {msg}")
         raise IOFailure(f"etcd {where}: {msg}{too_big}")
+
+    def _refused_tls(self, ep: str, e: Exception) -> None:
+        """Raise Access if ``e`` is a refusal of certificates: settings to fix, which
+        no other endpoint or later try would accept."""
+        why = tls_refusal(e)
+        if why:
+            hint = ("cacert=, cert= and key= in the etcd URL" if self.access.tls is not None
+                    else "the etcd URL: it names no cacert=, so bmfs speaks plain http")
+            raise Access(f"etcd {ep}: TLS refused: {why} (check {hint})") from None
+
+    async def _authenticate(self, stale: str | None, timeout: float | None = None) -> None:
+        """Trade the URL's user and password for a new token, unless another task has
+        already replaced ``stale``.
+
+        Raises:
+            Access: etcd refused the user or password, or the password file is unreadable.
+            Unavailable: no quorum within the timeout.
+        """
+        async with self._auth_lock:
+            if self._token != stale:
+                return
+            body = {"name": self.access.user, "password": self.access.password()}
+            try:
+                data = await self._call("/v3/auth/authenticate", body, timeout)
+            except IOFailure as e:
+                if "authentication is not enabled" not in str(e):
+                    raise
+                log.warning("etcd has authentication off: the URL's user %r is not used "
+                            "(anyone who reaches its members can read and write the "
+                            "metadata; docs/etcd.md)", self.access.user)
+                return
+            self._token = data.get("token") or None
+            self.authentications += 1
 
     async def _failover(self, i: int, attempt: int, deadline: float, errors: dict) -> None:
         """Move past failed endpoint ``i``; back off after a full round.
@@ -273,7 +371,9 @@ class EtcdKV(KV):
 
     def statistics(self) -> dict:
         return {"commits": self.commits, "failovers": self.failovers,
-                "cache": self.cache.statistics(), "write_behind": self.wb.statistics()}
+                "authentications": self.authentications,
+                "cache": self.cache.statistics(), "write_behind": self.wb.statistics(),
+                "history": self.compactor.statistics()}
 
     def known_empty(self, prefixes) -> None:
         self.cache.known_empty(prefixes)
@@ -436,6 +536,76 @@ class EtcdKV(KV):
             await self.wb.recall(holder)
         return True
 
+    # -- history and maintenance (bmfs/kv/etcd_compact.py) -------------------------------
+    async def upkeep(self, leads):
+        """Keep etcd's history bounded while a mount runs (until cancelled)."""
+        await self.compactor.run(leads)
+
+    async def revision(self) -> int:
+        """etcd's current revision (read linearizably)."""
+        data = await self._call("/v3/kv/range", {"key": _b64(REQ_PREFIX), "count_only": True})
+        return _revision(data)
+
+    async def compact(self, revision: int) -> bool:
+        """Drop the history before ``revision`` (etcd keeps every key's value as of it),
+        and wait until its pages are free (so that a defragmentation after it frees
+        them). False if it was compacted that far already.
+
+        Raises:
+            Unavailable: no quorum within the timeout.
+        """
+        try:
+            await self._call("/v3/kv/compaction", {"revision": str(revision), "physical": True})
+        except IOFailure as e:
+            if "compacted" not in str(e):
+                raise
+            return False
+        return True
+
+    async def alarms(self) -> list[dict]:
+        """etcd's raised alarms: ``{"memberID": ..., "alarm": "NOSPACE"}`` each."""
+        return (await self._call("/v3/maintenance/alarm", {"action": "GET"})).get("alarms", [])
+
+    async def disarm(self, alarms: list[dict]) -> None:
+        for a in alarms:
+            await self._call("/v3/maintenance/alarm", {"action": "DEACTIVATE", **a})
+
+    async def members_status(self) -> dict[str, dict | None]:
+        """Each endpoint's status (database sizes, leader), None where it does not answer."""
+        out: dict[str, dict | None] = {}
+        for ep in self.endpoints:
+            try:
+                out[ep] = await self._call_at(ep, "/v3/maintenance/status", {})
+            except (Unavailable, IOFailure):
+                out[ep] = None
+        return out
+
+    async def defragment(self, ep: str) -> None:
+        """Have the member at ``ep`` rewrite its database file without free pages (it
+        answers nothing else meanwhile)."""
+        await self._call_at(ep, "/v3/maintenance/defragment", {}, timeout=max(60, self.timeout))
+
+    async def _call_at(self, ep: str, path: str, body: dict, timeout: float | None = None):
+        """One request to the member at ``ep`` (no failover), with the token.
+
+        Raises:
+            Unavailable: it did not answer in ``timeout`` (default request_timeout).
+            IOFailure, Access: it refused the request.
+        """
+        for again in (False, True):
+            token = self._token
+            try:
+                with trio.fail_after(timeout or self.request_timeout):
+                    resp = await self._client.post(ep + path, json=body,
+                                                   headers=self._headers(token))
+                    return self._check(ep + path, resp.status_code, _json(ep, resp))
+            except _Expired:
+                if again:
+                    raise Unavailable(f"etcd {ep}: the token is not taken") from None
+                await self._authenticate(token)
+            except (httpx.HTTPError, ValueError, _Retry, trio.TooSlowError) as e:
+                raise Unavailable(f"etcd {ep}{path}: {_why(e)}") from None
+
     # -- leases (node liveness) --------------------------------------------------------
     async def grant_lease(self, ttl: int, timeout: float | None = None) -> int:
         """A new lease of ``ttl`` seconds; keys put with it vanish when it expires.
@@ -493,7 +663,9 @@ class EtcdKV(KV):
         Raises:
             Unavailable: (from the ``async with``) no endpoint could be watched for
                 ``timeout`` seconds.
-            IOFailure: etcd compacted away the revisions needed to resume.
+            IOFailure: etcd compacted away the revisions needed to resume: changes
+                may have been missed, read the state afresh.
+            Access: etcd refused the credentials.
         """
         send, recv = trio.open_memory_channel(256)
         try:
@@ -510,6 +682,15 @@ class EtcdKV(KV):
                 raise group.exceptions[0] from group.exceptions[0].__cause__
             raise
 
+    def _watch_canceled(self, reason: str) -> None:
+        """Raise what etcd's cancelling a watch means."""
+        if token_expired(reason):
+            raise _Expired(reason)
+        refused = refusal(reason, self.access)
+        if refused is not None:
+            raise refused
+        raise _Retry(reason)
+
     async def _watch(self, prefix, end, skip_own, send, task_status=trio.TASK_STATUS_IGNORED,
                      cache: ReadCache | None = None):
         """The watch loop: changes go to ``send``, or with ``cache``, into the cache."""
@@ -517,24 +698,35 @@ class EtcdKV(KV):
         req = {"key": _b64(prefix or b"\0"), "range_end": _b64(end or b"\0")}
         # hasleader: the member ends the watch if it loses the leader (partitioned)
         headers = {"Grpc-Metadata-hasleader": "true"}
-        started, attempt, errors = False, 0, {}
+        started, attempt, errors, reauthenticated = False, 0, {}, False
         deadline = trio.current_time() + self.timeout
         while True:
             i = self._cur
             ep = self.endpoints[i]
+            token = self._token
             try:
-                async with self._client.stream("POST", ep + "/v3/watch", headers=headers,
+                async with self._client.stream("POST", ep + "/v3/watch",
+                                               headers={**headers, **(self._headers(token) or {})},
                                                json={"create_request": req}) as resp:
+                    if resp.status_code != 200:
+                        await resp.aread()
+                        self._check(ep + "/v3/watch", resp.status_code, _json(ep, resp))
+                        raise _Retry(f"HTTP {resp.status_code}")
                     async for line in resp.aiter_lines():
                         if not line.strip():
                             continue
                         res = self._check(ep + "/v3/watch", resp.status_code, json.loads(line))
                         if int(res.get("compact_revision", 0)):
-                            raise IOFailure(f"etcd watch of {prefix!r}: revisions compacted")
+                            # the revision to resume from is gone: the caller must read
+                            # the state afresh (a new watch starts from now)
+                            raise IOFailure(f"etcd watch of {prefix!r}: revisions up to "
+                                            f"{res['compact_revision']} compacted")
+                        if res.get("canceled"):  # (refused at creation: also "created")
+                            self._watch_canceled(res.get("cancel_reason") or "watch canceled")
                         if res.get("created"):
                             now = int(res["header"]["revision"])
                             req.setdefault("start_revision", str(now + 1))
-                            attempt, errors = 0, {}
+                            attempt, errors, reauthenticated = 0, {}, False
                             if not started:
                                 started = True
                                 if cache is not None:
@@ -562,10 +754,15 @@ class EtcdKV(KV):
                             await send.send((key, self.unseal_change(key, value)))
                         if cache is not None and rev:
                             cache.reached(rev)
-                        if res.get("canceled"):
-                            raise _Retry(res.get("cancel_reason") or "watch canceled")
                 errors[ep] = "watch stream ended"
+            except _Expired as e:
+                if not reauthenticated:
+                    reauthenticated = True
+                    await self._authenticate(token, self.timeout)
+                    continue
+                errors[ep] = _why(e)
             except (httpx.HTTPError, ValueError, _Retry) as e:
+                self._refused_tls(ep, e)
                 errors[ep] = _why(e)
             if attempt == 0:
                 deadline = trio.current_time() + self.timeout

@@ -55,7 +55,7 @@ import os
 
 import trio
 
-from ..errors import Conflict, FsError, IOFailure, NotFound, Unavailable
+from ..errors import Conflict, FsError, IOFailure, NoSpace, NotFound, Unavailable
 from .etcd_wire import b64 as _b64
 from .etcd_wire import new_request_id
 
@@ -430,7 +430,9 @@ class WriteBehind:
                     self.stalled = False
                     self._notify()
                 break
-            except Unavailable as e:  # keep trying: these were acknowledged
+            except (Unavailable, NoSpace) as e:  # keep trying: these were acknowledged
+                # (NoSpace: etcd's NOSPACE alarm, which the upkeep disarms once it has
+                # compacted and defragmented: bmfs/kv/etcd_compact.py)
                 if not self.stalled:
                     log.warning("etcd write-behind: %s; %d queued changes wait (new ones "
                                 "fail with EIO meanwhile)", e, len(self.queue))

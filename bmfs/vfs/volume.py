@@ -210,6 +210,8 @@ def _check_new_device(d: str, volume: str) -> None:
         return
     if os.path.abspath(d) == os.path.abspath(volume):
         raise VolumeError(f"{d} is the volume directory: a device needs one of its own")
+    if os.path.lexists(os.path.join(d, "DEVICE")):
+        raise VolumeError(f"{d} already belongs to a bmfs volume")
     if os.path.isdir(d) and os.listdir(d):
         raise VolumeError(f"{d} is not empty (a new device is an empty or new directory)")
 

@@ -213,7 +213,7 @@ def test_oversized_preauth_frames_are_refused_unallocated(tmp_path):
         trio.run(_stat, number)
         before = _peak_rss_kib(proc.pid)
         attackers = []
-        for _ in range(8):
+        for _ in range(32):  # (the old code grew by 64 MiB for each)
             s = socket.create_connection(("127.0.0.1", number))
             s.settimeout(30)
             attackers.append(s)

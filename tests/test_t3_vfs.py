@@ -969,3 +969,69 @@ def test_atime_follows_relatime_noatime_strictatime_and_read_only(tmp_path):
         fs.read_only = False
         await fs.unlink(ROOT, b"f")
     run(t, tmp_path)
+
+
+async def _rewrite(fs, ino, data, mode=None):
+    fh = await fs.open(ino, os.O_RDWR | os.O_TRUNC)
+    await fs.files.write(fh, 0, data)
+    await fs.files.release(fh)
+    if mode is not None:
+        await fs.setattr(ino, mode=mode)
+
+
+@pytest.mark.parametrize("strategy", ["ours", "theirs"])
+def test_merge_takes_the_winning_file_whole(tmp_path, strategy):
+    """A file both sides changed comes whole from the winner: its bytes with its size,
+    mode and xattrs, none of the loser's (was: the winner's bytes with the size the
+    other side alone had changed: ``ours\\n\\0\\0``). Big files too (a chunk list each
+    side rewrote), and an inode the loser changed only in an attribute. After the
+    merge with --theirs, diff shows no change for them."""
+    async def t(fs):
+        small = await write_file(fs, ROOT, b"g", b"base\n")
+        big = await write_file(fs, ROOT, b"big", os.urandom(100_000))
+        await fs.setxattr(small, b"user.bm.type", b"base")
+        xr = await _branch(fs, "c2")
+        xs = (await fs.lookup(xr, b"g")).ino
+        xb = (await fs.lookup(xr, b"big")).ino
+        mine = {b"g": b"ours\n", b"big": os.urandom(100_000)}
+        theirs = {b"g": b"theirs\n", b"big": os.urandom(150_000)}
+        await _rewrite(fs, small, mine[b"g"])
+        await _rewrite(fs, big, mine[b"big"], mode=0o600)
+        await fs.setxattr(small, b"user.bm.type", b"ours")
+        await _rewrite(fs, xs, theirs[b"g"])
+        await _rewrite(fs, xb, theirs[b"big"])
+        await fs.setxattr(xs, b"user.other", b"theirs")
+        r = await br.op_merge(fs.kv, "c2", "main", strategy=strategy)
+        assert r["result"] == "merged" and r["conflicts_resolved"] >= 2
+        await fs.views.refresh()
+        want = mine if strategy == "ours" else theirs
+        for name, ino in ((b"g", small), (b"big", big)):
+            assert await read_file(fs, ino) == want[name]
+            assert (await fs.getattr(ino)).size == len(want[name])
+        modes = {"ours": 0o600, "theirs": 0o644}
+        assert (await fs.getattr(big)).mode & 0o777 == modes[strategy]
+        xattrs = {"ours": [b"user.bm.type"], "theirs": [b"user.bm.type", b"user.other"]}
+        assert sorted(await fs.listxattr(small)) == xattrs[strategy]
+        assert await fs.getxattr(small, b"user.bm.type") == \
+            (b"ours" if strategy == "ours" else b"base")
+        if strategy == "theirs":
+            assert await br.op_diff(fs.kv, "c2", "main") == \
+                {"added": [], "removed": [], "changed": []}
+    run(t, tmp_path)
+
+
+def test_fsck_finds_data_past_a_files_size(tmp_path):
+    """A file whose slices reach past its size (the state a key-by-key merge could
+    leave: one side's data, the other's smaller size) is a problem for fsck."""
+    async def t():
+        async with open_fs(tmp_path / "vol", check=False) as fs:
+            ino = await write_file(fs, ROOT, b"f", b"0123456789")
+
+            async def shrink(txn, chain):
+                i = await ns.get_inode(txn, chain, ino)
+                i.size = 4
+                await ns.put_inode(txn, chain, ino, i)
+            await fs.mutate(fs.views.get(0), shrink)
+            problems, _ = await fsck(fs.volume)
+            assert problems == [f"branch main: inode {ino} has data past its size 4"]
+    trio.run(t)

@@ -650,13 +650,12 @@ class _Merge:
                 self._plan(sub, sv)
                 continue
             if sub.startswith(b"i/") and sv and tv and bv:
-                si = Inode.unpack(sv)
-                merged, clash = _merge_inode(si, Inode.unpack(bv), Inode.unpack(tv))
-                if clash:
+                merged, clash = _merge_inode(Inode.unpack(sv), Inode.unpack(bv),
+                                             Inode.unpack(tv))
+                if clash:  # (taken whole from the winner: _take_conflicted_whole)
                     self.conflicts.add(sub)
-                    for f in clash if self.strategy == "theirs" else ():
-                        setattr(merged, f, getattr(si, f))
-                await self.take(sub, merged.pack())
+                else:
+                    await self.take(sub, merged.pack())
                 continue
             self.conflicts.add(sub)
             if self.strategy == "theirs":
@@ -664,6 +663,16 @@ class _Merge:
         if self.conflicts and self.strategy is None:
             await self.refuse(self.conflicts)
         self.resolved = len(self.conflicts)
+        await self._take_conflicted_whole()
+
+    async def _take_conflicted_whole(self) -> None:
+        """An inode with a key in conflict comes whole from the winning side: attributes,
+        every chunk's slices, xattrs, symlink target (or its absence). Taken key by key,
+        a file could get the winner's bytes with the loser's size, or a chunk of each."""
+        inos = {int(s[2:18], 16) for s in self.conflicts if not s.startswith(b"d/")}
+        for ino in sorted(inos):
+            for sub in await self._subs_of(ino):
+                await self.take(sub, await self.val(self.winner, sub))
 
     async def refuse(self, subs, hint: str = "use --theirs or --ours"):
         pt, ps = _Paths(self.kv, self.ct), _Paths(self.kv, self.cs)

@@ -86,10 +86,19 @@ async def check_tree(kv, label: str, chain: Chain, problems: list[str]) -> None:
         problems.append(f"{label}: the root directory is missing")
     elif inodes[ROOT].nlink != 2 + subdirs[ROOT]:
         problems.append(f"{label}: root nlink {inodes[ROOT].nlink}, expected {2 + subdirs[ROOT]}")
-    for sub, _ in await lscan(txn, chain, b"c/"):
+    for sub, v in await lscan(txn, chain, b"c/"):
         ino = int(sub[2:18], 16)
         if ino not in inodes:
             problems.append(f"{label}: slices of missing inode {ino}")
+            continue
+        # writes grow the size with the data and truncates cut the slices with it, so
+        # data past the size is a file put together from two states (data short of
+        # the size is not: a sparse file looks the same)
+        end = max((s.pos + s.length for s in unpack_slices(v) if s.sid and s.length),
+                  default=0)
+        if end and int(sub[19:], 16) * keys.CHUNK_SIZE + end > inodes[ino].size:
+            problems.append(f"{label}: inode {ino} has data past its size "
+                            f"{inodes[ino].size}")
 
 
 async def check_refs(kv, live_layers: set[int], problems: list[str],

@@ -527,6 +527,16 @@ class _Paths:
         return await self.file_path(txn, int(sub[2:18], 16))
 
 
+def _only_read_since(sub: bytes, va: bytes | None, vb: bytes | None) -> bool:
+    """Whether two versions of an inode record differ in their atime alone: a file
+    read (relatime), not changed."""
+    if va is None or vb is None or keys.inode_of(sub) is None:
+        return False
+    ia, ib = Inode.unpack(va), Inode.unpack(vb)
+    ib.atime_ns = ia.atime_ns
+    return ia == ib
+
+
 async def op_diff(kv, a: str, b: str) -> dict:
     """Paths added, removed and changed going from tree ``a`` to tree ``b``."""
     _, ca = await tree_chain(kv, a)
@@ -538,7 +548,7 @@ async def op_diff(kv, a: str, b: str) -> dict:
     added, removed, changed = set(), set(), set()
     for sub in sorted(subs):
         va, vb = await lget(txn, ca, sub), await lget(txn, cb, sub)
-        if va == vb:
+        if va == vb or _only_read_since(sub, va, vb):
             continue
         if sub.startswith(b"d/"):
             if va is None:

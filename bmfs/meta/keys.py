@@ -116,6 +116,16 @@ def inode(ino: int) -> bytes:
     return b"i/%016x" % ino
 
 
+def inode_of(sub: bytes) -> int | None:
+    """The inode number of inode sub-key ``sub`` (``inode(ino)``); None for any other."""
+    if len(sub) != 18 or not sub.startswith(b"i/"):
+        return None
+    try:
+        return int(sub[2:], 16)
+    except ValueError:
+        return None
+
+
 def dir_prefix(parent: int) -> bytes:
     return b"d/%016x/" % parent
 

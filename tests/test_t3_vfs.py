@@ -11,6 +11,7 @@ from bmfs.meta import branches as br
 from bmfs.meta import keys
 from bmfs.meta import namespace as ns
 from bmfs.meta.records import Inode
+from bmfs.store.file import FileStore
 from bmfs.vfs.fs import FileSystem
 from bmfs.vfs.fsck import fsck
 from bmfs.vfs.views import VIEW_SHIFT
@@ -1035,3 +1036,174 @@ def test_fsck_finds_data_past_a_files_size(tmp_path):
             problems, _ = await fsck(fs.volume)
             assert problems == [f"branch main: inode {ino} has data past its size 4"]
     trio.run(t)
+
+
+# -- devices that fill up under a write-behind file ---------------------------------------
+class SmallFilesystem:
+    """Room shared by devices on one small filesystem."""
+
+    def __init__(self, room: int):
+        import threading
+        self.left = room
+        self.lock = threading.Lock()
+
+
+class FillingStore(FileStore):
+    """A device on a SmallFilesystem: a write that does not fit leaves what did (a file
+    cut short, as a full disk does) and fails with ENOSPC; a delete gives room back."""
+
+    def __init__(self, path, volume_uuid, dev, space: SmallFilesystem):
+        super().__init__(path, volume_uuid, dev)
+        self.space = space
+
+    def write(self, name, parts):
+        total = sum(len(p) for p in parts)
+        with self.space.lock:
+            fits = min(total, self.space.left)
+            self.space.left -= fits
+        if fits < total:
+            with open(self._file(name), "wb") as f:
+                f.write(b"".join(bytes(p) for p in parts)[:fits])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        super().write(name, parts)
+
+    def delete(self, name):
+        try:
+            size = os.path.getsize(self._file(name))
+        except FileNotFoundError:
+            size = 0
+        super().delete(name)
+        with self.space.lock:
+            self.space.left += size
+
+
+def fill_up(fs, stripes: float, devices=None) -> SmallFilesystem:
+    """Put the devices of ``fs`` (or those listed) on a SmallFilesystem with room for
+    about ``stripes`` full stripes."""
+    s = fs.volume.settings
+    space = SmallFilesystem(int(stripes * s.stripe_size * (s.k + s.m) / s.k))
+    for dev, path in fs.volume.device_paths.items():
+        if devices is None or dev in devices:
+            fs.volume.transport.add_device(dev, FillingStore(path, s.uuid, dev, space))
+    return space
+
+
+async def write_behind(fs, fh, data: bytes, at: int = 0, piece: int = 64 << 10) -> None:
+    """``data`` written at ``at`` as the kernel writes back its pages (64 KiB writes,
+    each one whatever the others' errors), the write pipeline on: full stripes are
+    stored in the background."""
+    async with trio.open_nursery() as nursery:
+        fs.files.nursery = nursery
+        for off in range(0, len(data), piece):
+            try:
+                await fs.files.write(fh, at + off, data[off:off + piece])
+            except FsError as e:  # (may be said here, or by fsync and close)
+                assert e.errno == errno.ENOSPC, e
+    fs.files.nursery = None  # (the stores behind have ended with the nursery)
+
+
+def test_a_failed_store_is_an_error_never_zeros(tmp_path):
+    """Devices fill up while a file is stored behind its writes: fsync says ENOSPC, and
+    again at every fsync and at close; meanwhile the file is what is stored (its size,
+    its bytes) and the bytes not stored read as EIO, never zeros; the fragments of the
+    stripes that failed are deleted at once (fsck finds no leak); a remount shows the
+    same file."""
+    data = os.urandom(24 << 18)  # 24 stripes of 256 KiB
+
+    async def t(fs):
+        fill_up(fs, 2.5)
+        fh, a = await fs.create_file(ROOT, b"f", 0o644, os.O_RDWR, 0, 0)
+        await write_behind(fs, fh, data)
+        for _ in range(3):
+            with raises(errno.ENOSPC):
+                await fs.files.fsync(fh)
+        size = (await fs.getattr(a.ino)).size
+        assert 0 < size < len(data)
+        assert await fs.files.read(fh, 0, size) == data[:size]
+        with raises(errno.EIO):
+            await fs.files.read(fh, size, 4096)
+        with raises(errno.EIO):
+            await fs.files.read(fh, len(data) - 4096, 4096)  # past the stored size too
+        with raises(errno.ENOSPC):
+            await fs.files.release(fh)
+        assert (await fs.getattr(a.ino)).size == size
+        assert await read_file(fs, a.ino) == data[:size]
+        return size
+    sizes = []
+
+    async def main():
+        async with open_fs(tmp_path / "vol", fragment_size=64 << 10, layout="files") as fs:
+            sizes.append(await t(fs))
+        async with open_fs(tmp_path / "vol") as fs:  # (fsck at each close)
+            ino = (await fs.lookup(ROOT, b"f")).ino
+            assert (await fs.getattr(ino)).size == sizes[0]
+            assert await read_file(fs, ino) == data[:sizes[0]]
+    trio.run(main)
+
+
+def test_a_writer_that_tries_again_after_a_failed_store(tmp_path):
+    """After a failed store the writer may start over where the stored bytes end (once
+    there is room again): the file then reads back whole, fsync and close succeed.
+    Bytes written past the lost range meanwhile are dropped with it (they would follow
+    a hole of zeros), and a cut that would leave the lost bytes a hole is refused."""
+    data = os.urandom(16 << 18)
+
+    async def t(fs):
+        space = fill_up(fs, 2.5)
+        fh, a = await fs.create_file(ROOT, b"f", 0o644, os.O_RDWR, 0, 0)
+        await write_behind(fs, fh, data)
+        with raises(errno.ENOSPC):
+            await fs.files.fsync(fh)
+        size = (await fs.getattr(a.ino)).size
+        with raises(errno.ENOSPC):
+            await fs.files.truncate(fs.views.get(0), a.ino, size + 1)
+        with space.lock:
+            space.left += 64 << 20
+        await write_behind(fs, fh, data[size + 4096:], at=size + 4096)  # past it: dropped
+        with raises(errno.ENOSPC):
+            await fs.files.fsync(fh)
+        await write_behind(fs, fh, data[size:], at=size)  # from its start: taken back
+        await fs.files.fsync(fh)
+        await fs.files.release(fh)
+        assert await read_file(fs, a.ino) == data
+    run(t, tmp_path, fragment_size=64 << 10, layout="files")
+
+
+def test_a_failed_overwrite_keeps_the_stored_bytes(tmp_path):
+    """An overwrite inside a file whose stripes cannot be stored: fsync and close say
+    ENOSPC; the range reads as EIO while the file is open, then as what is stored (the
+    bytes from before, as a remount shows); a cut that keeps the file's stored bytes
+    over the range is allowed."""
+    stripe = 256 << 10
+    old, new = os.urandom(6 * stripe), os.urandom(3 * stripe)
+
+    async def t(fs):
+        ino = await write_file(fs, ROOT, b"f", old)
+        fill_up(fs, 0.5)
+        fh = await fs.open(ino, os.O_RDWR)
+        await write_behind(fs, fh, new, at=stripe)
+        with raises(errno.ENOSPC):
+            await fs.files.fsync(fh)
+        assert (await fs.getattr(ino)).size == len(old)
+        assert await fs.files.read(fh, 0, stripe) == old[:stripe]
+        with raises(errno.EIO):
+            await fs.files.read(fh, 2 * stripe, 4096)
+        await fs.files.truncate(fs.views.get(0), ino, 5 * stripe)
+        with raises(errno.ENOSPC):
+            await fs.files.release(fh)
+        assert await read_file(fs, ino) == old[:5 * stripe]
+    run(t, tmp_path, fragment_size=64 << 10, layout="files")
+
+
+def test_a_full_device_keeps_no_cut_short_fragment(tmp_path):
+    """One device full: the fragments meant for it go to others and the file is
+    stored; what each failed PUT left on the full device (a fragment file cut short)
+    is deleted at once, not left for fsck to find as no stripe's."""
+    data = os.urandom(4 << 18)
+
+    async def t(fs):
+        fill_up(fs, 0, devices=[0])
+        ino = await write_file(fs, ROOT, b"f", data)
+        assert await read_file(fs, ino) == data
+        assert not any(files for _, _, files in os.walk(fs.volume.device_paths[0] + "/frags"))
+    run(t, tmp_path, fragment_size=64 << 10, layout="files")

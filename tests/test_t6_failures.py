@@ -618,3 +618,70 @@ def test_repair_that_cannot_restore_redundancy_exits_1_and_says_why(tmp_path):
             mnt_ok = subprocess.run(["umount", str(mp)], capture_output=True)
             subprocess.run(["umount", "-l", str(tiny)], capture_output=True)
             assert mnt_ok.returncode == 0 or not is_mounted(mp)
+
+
+# -- full devices -------------------------------------------------------------------------
+@pytest.fixture
+def small_fs(tmp_path):
+    """A small tmpfs (``size=``) for devices that fill up; unmounted afterwards."""
+    d = tmp_path / "small"
+    d.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(d)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {res.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def test_a_failed_store_never_reads_back_as_zeros(small_fs, tmp_path):
+    """Devices that fill up under a write-behind file: fsync and close say ENOSPC (every
+    fsync, not just the first); on the same mount each read gives the bytes a remount
+    shows or EIO, never zeros (nor bytes stored nowhere), before the close and after;
+    what the failed stripes stored is deleted at once (the devices hold just the stored
+    stripes' fragments), so fsck is clean after a clean unmount (no --repair)."""
+    vol, mp = tmp_path / "vol", tmp_path / "mnt"
+    # 256 KiB fragments: a stripe is 1 MiB of data, 1.5 MiB on the devices; 4 MiB hold two
+    mkfs(vol, "--fragment-size", 256 << 10,
+         *[a for i in range(6) for a in ("--device", small_fs / f"d{i}")])
+    data = os.urandom(8 * MiB)
+    block = 64 << 10
+    with Mounted(vol, mp):
+        p = mp / "f"
+        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+            for _ in range(3):
+                expect_errno(errno.ENOSPC, os.fsync, fd)
+            seen = {}  # offset -> the bytes read there, or None for EIO
+            for off in range(0, len(data), block):
+                try:
+                    seen[off] = os.pread(fd, block, off)
+                except OSError as e:
+                    assert e.errno == errno.EIO, e
+                    seen[off] = None
+        finally:
+            expect_errno(errno.ENOSPC, os.close, fd)
+        held = {f.sid for i in range(6) for f in on_device(str(small_fs / f"d{i}"))}
+        # (the kernel may keep the size it had until it has dropped the inode: then the
+        # bytes past the stored ones read as EIO)
+        size_after_close = os.stat(p).st_size
+        try:
+            after_close = p.read_bytes()
+        except OSError as e:
+            assert e.errno == errno.EIO, e
+            after_close = None
+    assert_fsck_clean(vol)
+    with Mounted(vol, mp):
+        size = os.stat(mp / "f").st_size
+        stored = (mp / "f").read_bytes()
+    assert 0 < size < len(data) and stored == data[:size]
+    assert len(held) == size // MiB  # the devices held only the stored stripes' fragments
+    for off, got in seen.items():
+        assert got is None or got == stored[off:off + block], f"bytes at {off}"
+        assert got is not None or off + block > size, f"EIO at {off}, below {size}"
+    assert size_after_close in (size, len(data))
+    assert after_close in (stored, None)
+    assert_fsck_clean(vol)

@@ -36,6 +36,7 @@ HEDGE_MIN = 0.02  # seconds: a read slower than this (and than 4x its node's usu
 HEDGE_RATE = 50e6  # bytes/s: a large read is given this much more time before a hedge
 STREAMING = 256 << 10  # a read this large of a degraded stripe decodes the whole stripe
 REBUILT_KEPT = 64  # stripes whose last rebuilt range is remembered (sequential readers)
+DISCARD_TIME = 10.0  # seconds a failed write may spend deleting what it stored
 
 
 class DataClient:
@@ -88,6 +89,7 @@ class DataClient:
         devs = place_available(sid, live, k + m, self.domains)
         stored = [NO_DEVICE] * (k + m)
         failed: set[int] = set()
+        tried: list[tuple[int, int]] = []  # (index, device) of puts that failed
 
         async def put(i):
             # a fragment whose device fails goes to another live device, preferring one
@@ -102,6 +104,7 @@ class DataClient:
                 except DeviceError as e:
                     log.warning("stripe %d fragment %d not stored: %s", sid, i, e)
                     failed.add(dev)
+                    tried.append((i, dev))
                     spare = [d for d in self.devices if d not in failed
                              and self.transport.is_up(d)]
                     if not spare:
@@ -109,16 +112,35 @@ class DataClient:
                     fresh = [d for d in spare if d not in stored and d not in devs]
                     dev = (fresh or spare)[i % len(fresh or spare)]
 
-        async with trio.open_nursery() as nursery:
-            for i in range(k + m):
-                nursery.start_soon(put, i)
-        ok = sum(d != NO_DEVICE for d in stored)
-        distinct = len({d for d in stored if d != NO_DEVICE})
-        need = min(k + 1, k + m)
-        if ok < need or distinct < min(k, len(self.devices)):
-            raise NoSpace(f"only {ok} of {k + m} fragments of a stripe could be stored, on "
-                          f"{distinct} devices (need {need} on {k}); are devices missing?")
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(k + m):
+                    nursery.start_soon(put, i)
+            ok = sum(d != NO_DEVICE for d in stored)
+            distinct = len({d for d in stored if d != NO_DEVICE})
+            need = min(k + 1, k + m)
+            if ok < need or distinct < min(k, len(self.devices)):
+                raise NoSpace(f"only {ok} of {k + m} fragments of a stripe could be stored, "
+                              f"on {distinct} devices (need {need} on {k}); are devices "
+                              f"missing or full?")
+        except BaseException:
+            # no record will own what this stripe stored (a cancelled write's either):
+            # deleted now, or it stays on the devices until fsck --repair
+            await self._discard(sid, [*enumerate(stored), *tried])
+            raise
+        # what a failed put left (a file cut short by a full device, say) is nobody's
+        await self._discard(sid, tried)
         return Stripe(EC, length, 0, k, m, len(frags[0]), stored, frag_version=version)
+
+    async def _discard(self, sid: int, where) -> None:
+        """Delete fragments (index, device) of stripe ``sid`` that no record owns, from
+        the devices that are up; shielded from cancellation, for DISCARD_TIME at most
+        (a device that does not answer keeps its copy: fsck names it)."""
+        where = [(i, d) for i, d in where if d != NO_DEVICE and self.transport.is_up(d)]
+        if where:
+            with trio.move_on_after(DISCARD_TIME) as scope:
+                scope.shield = True
+                await self._delete_fragments(sid, where)
 
     @staticmethod
     def needs_repair(st: Stripe) -> list[int]:
@@ -150,7 +172,12 @@ class DataClient:
             log.warning("sync: %s", e)
 
     async def delete_stripe(self, sid: int, st: Stripe) -> None:
-        for i, dev in enumerate(st.devices):
+        await self._delete_fragments(sid, enumerate(st.devices))
+
+    async def _delete_fragments(self, sid: int, where) -> None:
+        """Delete fragments (index, device) of stripe ``sid``; one whose device fails
+        is left (the leak sweep or fsck --repair finds it)."""
+        for i, dev in where:
             if dev != NO_DEVICE:
                 try:
                     await self.transport.delete(dev, fr.fragment_name(sid, i))

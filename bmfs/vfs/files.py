@@ -20,6 +20,7 @@ its size (see ``client_stale``).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -123,9 +124,27 @@ class WriteBuffer:
         return out
 
 
+class Lost:
+    """Bytes [start, end) of a file, written here, that could not be stored: what the
+    devices or the metadata said (``errno``, ``why``). Until they are written again or
+    cut off, reads of them fail (EIO) and so do fsync and close of the file's writable
+    handles: the kernel may still show the file's size with them (its writeback cache
+    keeps its own), and a read it sent here must never find them as a hole of zeros."""
+    __slots__ = ("start", "end", "errno", "why")
+
+    def __init__(self, start: int, end: int, e: BaseException):
+        self.start, self.end = start, end
+        self.errno = e.errno if isinstance(e, FsError) else errno.EIO
+        self.why = str(e)
+
+    def error(self, ino: int) -> FsError:
+        return FsError(f"bytes {self.start}-{self.end} of inode {ino} were not stored: "
+                       f"{self.why}", self.errno)
+
+
 class OpenFile:
     __slots__ = ("view", "ino", "opens", "lock", "buf", "buf_start", "size", "mtime_ns",
-                 "dirty", "stripes", "inflight", "last_commit", "error", "read_cache")
+                 "dirty", "stripes", "inflight", "last_commit", "failures", "read_cache")
 
     def __init__(self, view, ino):
         self.view, self.ino = view, ino
@@ -140,7 +159,9 @@ class OpenFile:
         # write pipeline: stripes being stored in the background, committed in order
         self.inflight = trio.Semaphore(PIPELINE)
         self.last_commit: trio.Event | None = None
-        self.error: BaseException | None = None  # a background store failed: reported once
+        # stores that failed so far: a stripe taken from the buffer before the last
+        # failure is not committed (_lose)
+        self.failures = 0
         # what reads looked up: [kv commit count, chain, inode, {chunk index: slices}]
         self.read_cache: list | None = None
 
@@ -172,6 +193,9 @@ class Files:
         self.nursery = None  # set by the mount daemon: background stripe stores run here
         # (view id, ino) -> stored (size, mtime, ctime) the kernel's inode reflects
         self.client: dict[tuple[int, int], tuple[int, int, int]] = {}
+        # (view id, ino) -> the range written here that could not be stored (Lost): kept
+        # while a handle is open or the kernel holds the inode (it may show the range)
+        self.lost: dict[tuple[int, int], Lost] = {}
         # (view id, ino) -> layer of the o/ record: files this mount unlinked while open
         # or too big to free in one transaction; freed on release (or at once). Another
         # mount deletes a file it unlinks at once (it does not know of opens here), so
@@ -246,7 +270,10 @@ class Files:
 
     def client_forgot(self, fino: int) -> None:
         """The kernel dropped the inode (FUSE forget brought its lookup count to 0)."""
-        self.client.pop(fino_parts(fino), None)
+        key = fino_parts(fino)
+        self.client.pop(key, None)
+        if key not in self.open_files:
+            self.lost.pop(key, None)
 
     def client_stale(self, fh: int) -> tuple[int | None, int] | None:
         """None if the kernel's cache of the file opened as ``fh`` was up to date at
@@ -336,6 +363,8 @@ class Files:
                 raise TooBig()
             if of.buf and offset != of.buf_start + len(of.buf):
                 await self._flush_locked(of)
+            if self._past_lost(of, offset, len(data)):
+                return len(data)
             await self._size(of)
             if not of.buf:
                 of.buf_start = offset
@@ -351,19 +380,40 @@ class Files:
                 await self._store_behind(of, cut)
         return len(data)
 
+    def _past_lost(self, of: OpenFile, offset: int, n: int) -> bool:
+        """Whether the ``n`` bytes written at ``offset`` start past the file's lost range
+        (Lost): then they are dropped with it (the range grows over them) and reported
+        with it at fsync and close; stored, they would make the lost bytes a hole that
+        reads as zeros. Bytes written from its start on (the writer trying again) take
+        it back, as far as they reach: if they fail too, the range is lost again."""
+        key = (of.view.id, of.ino)
+        lost = self.lost.get(key)
+        if lost is None:
+            return False
+        if offset > lost.start:
+            lost.end = max(lost.end, offset + n)
+            return True
+        lost.start = max(lost.start, offset + n)
+        if lost.start >= lost.end:
+            del self.lost[key]
+        return False
+
     async def _store_behind(self, of: OpenFile, n: int) -> None:
         """Store the first ``n`` buffered bytes (a full stripe) in the background, when the
         mount gave us a nursery: encoding and fragment I/O of stripe n+1 overlap the
         commit of stripe n, while the commits stay in file order (a later write must
-        shadow an earlier one). Called with ``of.lock`` held."""
+        shadow an earlier one). Called with ``of.lock`` held. A failure is not raised
+        here but recorded (_lose), to be reported by fsync and close."""
         if self.nursery is None:
             start = of.buf_start
             data = of.buf.take(n)
             of.buf_start += n
-            await self._store(of, start, data)
+            await self._store_or_lose(of, start, data)
             return
-        self._raise_error(of)
         await of.inflight.acquire()  # back-pressure: at most PIPELINE stripes in flight
+        if len(of.buf) < n:  # a store failed meanwhile: the buffer went with it (_lose)
+            of.inflight.release()
+            return
         # no await from here on: the bytes leave the buffer and the event readers wait
         # for appears in one step, so a reader never finds them in neither place
         prev, done = of.last_commit, trio.Event()
@@ -371,33 +421,74 @@ class Files:
         start = of.buf_start
         data = of.buf.take(n)
         of.buf_start += n
-        self.nursery.start_soon(self._store_task, of, start, data, prev, done)
+        self.nursery.start_soon(self._store_task, of, start, data, prev, done, of.failures)
 
-    async def _store_task(self, of, start, data, prev, done) -> None:
+    async def _store_task(self, of, start, data, prev, done, failures) -> None:
         try:
-            await self._store(of, start, data, wait_for=prev)
-        except Exception as e:  # noqa: BLE001 - reported on the next write/flush/fsync/close
+            await self._store(of, start, data, wait_for=prev, failures=failures)
+        except Exception as e:  # noqa: BLE001 - reported by fsync and close (_lose)
             log.warning("storing %d bytes at %d of inode %d failed: %s", stripe_length(data),
                         start, of.ino, e)
-            if of.error is None:
-                of.error = e
+            if prev is not None:
+                await prev.wait()  # the stripes before this one are committed first
+            if failures == of.failures:  # (else lost already, with all after the failure)
+                self._lose(of, start, start + stripe_length(data), e)
         finally:
             done.set()
             of.inflight.release()
 
+    async def _store_or_lose(self, of: OpenFile, start: int, data: list) -> None:
+        """_store now; a failure is recorded (_lose), to be reported by fsync and close."""
+        try:
+            await self._store(of, start, data)
+        except Exception as e:  # noqa: BLE001 - reported by fsync and close
+            log.warning("storing %d bytes at %d of inode %d failed: %s", stripe_length(data),
+                        start, of.ino, e)
+            self._lose(of, start, start + stripe_length(data), e)
+
+    def _lose(self, of: OpenFile, start: int, end: int, e: BaseException) -> None:
+        """Storing bytes [start, end) failed for good (the stripes before them are
+        committed). Everything written after them goes too: the buffer, and the stripes
+        in flight, which see ``failures`` move on and are not committed: stored, they
+        would leave these bytes a hole that reads as zeros. The file is then what is
+        stored (what a remount shows), and the range written and not stored is Lost.
+        No await: the writers (holding ``of.lock``) find the buffer emptied in one step."""
+        key = (of.view.id, of.ino)
+        end = max(end, of.buf_start + len(of.buf))
+        lost = self.lost.get(key)
+        if lost is None:
+            self.lost[key] = Lost(start, end, e)
+        else:
+            lost.start, lost.end = min(lost.start, start), max(lost.end, end)
+        if key in self.client:  # (the kernel's size is past the stored one: the next
+            # open finds it stale and has the kernel look the inode up afresh)
+            self.client[key] = (self.lost[key].end, -1, -1)
+        of.failures += 1
+        of.buf = WriteBuffer()
+        of.dirty = False
+        of.size = of.mtime_ns = None
+        of.read_cache = None
+
+    async def _report_lost(self, h: Handle) -> None:
+        """Raise the error of the file's lost range (Lost) at each fsync and close of a
+        writable handle while the range lasts, as Linux reports a writeback error: a
+        writer that tries again never gets "done" for bytes stored nowhere. First the
+        kernel drops its pages of the file and its names for the inode (so that it is
+        evicted once closed, and looked up afresh at its stored size): its reads then
+        come here, and find the range unreadable."""
+        of = h.of
+        lost = self.lost.get((of.view.id, of.ino))
+        if lost is None:
+            return
+        if self.fs.notify is not None:
+            await self.fs.notify.inode(self.fs.join(of.view, of.ino))
+        if (h.flags & os.O_ACCMODE) != os.O_RDONLY:
+            raise lost.error(of.ino)
+
     async def _drain(self, of: OpenFile) -> None:
-        """Wait until every stripe stored in the background is committed."""
+        """Wait until every stripe stored in the background is committed (or lost)."""
         if of.last_commit is not None:
             await of.last_commit.wait()
-        self._raise_error(of)
-
-    @staticmethod
-    def _raise_error(of: OpenFile) -> None:
-        if of.error is not None:
-            e, of.error = of.error, None
-            if isinstance(e, FsError):
-                raise e
-            raise IOFailure(f"writing the file failed: {e}")
 
     async def _size(self, of: OpenFile) -> int:
         """The file's size, loading it into ``of.size`` when nothing is buffered."""
@@ -409,10 +500,10 @@ class Files:
         return of.size
 
     async def _flush_locked(self, of: OpenFile) -> None:
+        """Store what is buffered; a failure is recorded (_lose), not raised."""
         await self._drain(of)
         if of.buf:
-            start = of.buf_start
-            await self._store(of, start, of.buf.take(len(of.buf)))
+            await self._store_or_lose(of, of.buf_start, of.buf.take(len(of.buf)))
         if of.dirty:
             # nothing buffered, but size/mtime may be ahead of the metadata (extending write
             # of zero bytes cannot happen; sparse extension happens through truncate)
@@ -421,22 +512,26 @@ class Files:
             of.mtime_ns = None
 
     async def _store(self, of: OpenFile, start: int, data: list,
-                     wait_for: trio.Event | None = None) -> None:
+                     wait_for: trio.Event | None = None, failures: int | None = None) -> None:
         """Store ``data`` (pieces, within one chunk) as a new stripe and commit its slice
-        (after ``wait_for``: the commit of the stripe written before it)."""
+        (after ``wait_for``: the commit of the stripe written before it), unless a
+        store failed since ``failures`` (then its fragments are deleted: see _lose)."""
         end = start + stripe_length(data)
         assert start // CHUNK_SIZE == (end - 1) // CHUNK_SIZE
         sid = await self._alloc_sid()
         try:
-            await self._store_stripe(of, start, data, sid, wait_for)
+            await self._store_stripe(of, start, data, sid, wait_for, failures)
         finally:
             self.data.uncommitted.discard(sid)  # committed, or never will be
 
-    async def _store_stripe(self, of, start, data, sid, wait_for) -> None:
+    async def _store_stripe(self, of, start, data, sid, wait_for, failures) -> None:
         st = await self.data.write_stripe(sid, data)
         end = start + st.length
         if wait_for is not None:
             await wait_for.wait()
+        if failures is not None and failures != of.failures:
+            await self.data.delete_stripe(sid, st)
+            return
         mtime = of.mtime_ns or time.time_ns()
         idx, pos = divmod(start, CHUNK_SIZE)
         damaged = self.data.needs_repair(st) if st.kind else []
@@ -461,7 +556,8 @@ class Files:
             await ns.put_inode(txn, chain, of.ino, i)
             return i
         before = None
-        self.client_moved(of.view, of.ino, before, await self.fs.mutate(of.view, fn))
+        i = await self.fs.mutate(of.view, fn)  # (sets ``before``: read it after)
+        self.client_moved(of.view, of.ino, before, i)
 
     async def flush(self, fh: int) -> None:
         h = self.handles.get(fh)
@@ -469,6 +565,7 @@ class Files:
             return
         async with h.of.lock:
             await self._flush_locked(h.of)
+        await self._report_lost(h)
 
     async def fsync(self, fh: int, datasync: bool = False) -> None:
         await self.flush(fh)
@@ -480,13 +577,17 @@ class Files:
         if h is None:
             return
         of = h.of
+        key = (of.view.id, of.ino)
         try:
             async with of.lock:
                 await self._flush_locked(of)
+            await self._report_lost(h)
         finally:
             of.opens -= 1
             if of.opens == 0:
-                del self.open_files[(of.view.id, of.ino)]
+                del self.open_files[key]
+                if key not in self.client:  # (nothing shows the lost range any more)
+                    self.lost.pop(key, None)
                 await self.free_unlinked(of.view, of.ino)  # if unlinked here while open
 
     async def _free_if_orphan(self, view, ino: int, lay: int | None = None,
@@ -716,8 +817,16 @@ class Files:
         await self.fs.mutate(view, fn)
 
     async def close_all(self) -> None:
+        """Release every handle (each one, whatever the others' errors; the first is
+        raised)."""
+        failed = None
         for fh in list(self.handles):
-            await self.release(fh)
+            try:
+                await self.release(fh)
+            except FsError as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     # -- truncate ---------------------------------------------------------------------------
     async def truncate(self, view, ino: int, size: int, mtime_ns=None, ctime_ns=None):
@@ -727,8 +836,27 @@ class Files:
         if of is not None:
             async with of.lock:
                 await self._flush_locked(of)
+                await self._cut_lost(view, ino, size)
                 return await self._truncate(view, ino, size, mtime_ns, ctime_ns)
+        await self._cut_lost(view, ino, size)
         return await self._truncate(view, ino, size, mtime_ns, ctime_ns)
+
+    async def _cut_lost(self, view, ino: int, size: int) -> None:
+        """A cut to ``size`` at or before the start of the file's lost range (Lost) ends
+        it (a writer starting over); a cut past it keeps what it keeps of it, and is
+        refused (with the range's error) if it would extend the stored file over it:
+        the lost bytes would read as a hole of zeros."""
+        key = (view.id, ino)
+        lost = self.lost.get(key)
+        if lost is None:
+            return
+        if size <= lost.start:
+            del self.lost[key]
+            return
+        i = await ns.get_inode(self.kv.begin(), view.chain, ino)
+        if i is not None and i.size < min(size, lost.end):
+            raise lost.error(ino)
+        lost.end = min(lost.end, size)
 
     async def _truncate(self, view, ino, size, mtime_ns, ctime_ns):
         before = None
@@ -783,6 +911,9 @@ class Files:
                 if of.buf and offset < of.buf_start + len(of.buf) and \
                         offset + size > of.buf_start:
                     await self._flush_locked(of)
+        lost = self.lost.get((of.view.id, of.ino))
+        if lost is not None and offset < lost.end and offset + size > lost.start:
+            raise IOFailure(str(lost.error(of.ino)))
         txn = self.kv.begin()
         chain = of.view.chain
         cache = self._read_cache(of, chain)

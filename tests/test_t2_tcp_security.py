@@ -24,6 +24,7 @@ from bmfs.node.protocol import PREFIX, Connection, client_handshake
 from bmfs.node.server import READS, NodeServer
 from bmfs.node.tls import TlsConfig
 from bmfs.store.file import FileStore
+from bmfs.transport import DeviceError
 from bmfs.transport.tcp import TcpTransport
 from bmfs.wire import node_pb2 as pb
 
@@ -300,7 +301,7 @@ def test_tls_node_refuses_peers_without_a_member_certificate(tmp_path, certs):
             no_cert.load_verify_locations(certs["node"].ca)
             for ctx in (no_cert, certs["intruder"].context(server=False), None):
                 assert await trio.to_thread.run_sync(as_peer, ctx) == b""
-            with pytest.raises(Exception):  # (DeviceError: closed by the node)
+            with pytest.raises(DeviceError):  # (closed by the node, or timed out)
                 await _stat(port, timeout=5)
             info = await _stat(port, tls=certs["client"].context(server=False))
             assert info["stats"]["rejected"] >= 4
@@ -328,3 +329,17 @@ def test_tls_options_and_section_mistakes_are_one_line(tmp_path, certs):
                        {})
     with pytest.raises(VolumeError, match="tls section"):
         _tcp_transport(str(tmp_path), {"tls": {"cert": "a"}}, {})
+
+
+def test_tls_client_of_a_plain_node_fails_cleanly(tmp_path, certs):
+    """TLS on one side only, the client's: a DeviceError for it, and the node goes on
+    serving plain clients."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            server, port = await _start(tmp_path, nursery)
+            with pytest.raises(DeviceError):
+                await _stat(port, timeout=5, tls=certs["client"].context(server=False))
+            await _stat(port)
+            assert server.stats["rejected"] == 1
+            nursery.cancel_scope.cancel()
+    trio.run(main)

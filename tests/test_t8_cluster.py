@@ -793,3 +793,42 @@ def test_tls_cluster_end_to_end(tmp_path):
             pass
         s.close()
         assert_fsck_clean(c.dir)
+
+
+def test_hundreds_of_idle_connections_to_a_node_leave_the_mount_served(cluster, tmp_path):
+    """300 idle authenticated connections held open to node 0 (more than the 256 it
+    serves at once): a mount started then writes and reads through it cold, and `bmfs
+    status` finds every device ok (before, the node stopped answering new connections
+    and its device went missing)."""
+    import trio
+    from bmfs.node.protocol import Connection, client_handshake, read_secret
+    secret = read_secret(f"{cluster.dir}/secret")
+    addr = _node_addr(cluster)
+    mp = tmp_path / "mnt"
+
+    def use_a_mount():
+        with Mounted(cluster.dir, mp):
+            data = os.urandom(8 << 20)
+            with open(f"{mp}/f", "wb") as f:
+                f.write(data)
+            _drop_caches()
+            with open(f"{mp}/f", "rb") as f:
+                assert f.read() == data
+            return _status(mp)
+
+    async def main():
+        conns = []
+        try:
+            for _ in range(300):
+                sock = trio.socket.socket()
+                await sock.connect(addr)
+                conn = Connection(sock, 4096)
+                conns.append(conn)
+                await client_handshake(conn, secret)
+            await trio.sleep(1.5)  # all idle: the node may close the idlest now
+            return await trio.to_thread.run_sync(use_a_mount)
+        finally:
+            for c in conns:
+                c.close()
+    st_ = trio.run(main)
+    assert [d["health"] for d in st_["devices"]] == ["ok"] * 6, st_["devices"]

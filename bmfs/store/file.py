@@ -8,7 +8,7 @@ since the last sync durable: fsync of each file and directory, or one syncfs(2) 
 there are many.
 
 Nothing is written through a link or into a file the store did not make (see
-``create_fragment``): fragments are created afresh (``O_CREAT|O_EXCL|O_NOFOLLOW``)
+``create_new``): fragments are created afresh (``O_CREAT|O_EXCL|O_NOFOLLOW``)
 under the ``frags`` directory opened once, each fan-out folder opened without
 following a link. Directories are made 0700 and files 0600, whatever the umask.
 """

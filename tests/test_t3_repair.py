@@ -309,3 +309,65 @@ def test_stripe_with_damage_in_every_fragment_reads_and_repairs(tmp_path):
             fs.volume.data._tables.clear()
             assert await read_file(fs, ino) == data
     trio.run(main)
+
+
+class Refusing:
+    """A device that reads as ``store`` does but fails every write with ``err``
+    (ENOSPC: full; EIO: failing)."""
+
+    def __init__(self, store, err):
+        self._store, self._err = store, err
+
+    def write(self, name, parts):
+        raise OSError(self._err, os.strerror(self._err))
+
+    write_aligned = write
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_repair_reports_the_stripes_it_leaves_short_and_why(tmp_path):
+    """A 4+2 volume of 8 devices that lost device 0: each of its fragments can go to
+    the two devices its stripe does not use. With every other device failing writes,
+    repair rebuilds none and says why, per fragment: ENOSPC, or device down; with one
+    spare device full, each fragment goes to the other (a failed write is tried on
+    the next device); then nothing is short, and fsck --full is clean."""
+    import errno
+    vol = tmp_path / "vol"
+    data = os.urandom(20 << 20)
+    paths = [str(tmp_path / f"d{i}") for i in range(8)]
+
+    async def main():
+        async with open_fs(vol, devices=paths) as fs:
+            v = fs.volume
+            ino = await write_file(fs, ROOT, b"f", data)
+            on0 = len(on_device(paths[0]))
+            assert on0 > 0
+            stores = dict(v.transport.stores)
+            v.transport.stores[0] = FileNotFoundError("device gone")
+            for err, why in ((errno.ENOSPC, "no_space"), (errno.EIO, "device_down")):
+                for d in range(1, 8):
+                    v.transport.stores[d] = Refusing(stores[d], err)
+                r = await repair.repair(v)
+                assert r["fragments_rebuilt"] == 0 and r["stripes_short"] == on0, r
+                assert r["fragments_short"] == {why: on0}, r
+            for d in range(1, 8):
+                v.transport.stores[d] = stores[d]
+            # the device repair tries first for a fragment of device 0 is full
+            from bmfs.meta.records import Stripe
+            sid, st = next((int(k[2:], 16), st) for k, raw in await v.kv.range(b"t/", b"t0")
+                           if 0 in (st := Stripe.unpack(raw)).devices)
+            first = repair._places(v, sid, st.devices.index(0), list(st.devices), {0})[0]
+            v.transport.stores[first] = Refusing(stores[first], errno.ENOSPC)
+            r = await repair.repair(v)
+            assert r["fragments_rebuilt"] == on0, r
+            assert r["stripes_short"] == 0 and r["fragments_short"] == {}, r
+            v.transport.stores[first] = stores[first]
+            v.transport.stores[0] = stores[0]
+            await repair.repair(v)  # (the copies left on device 0 are swept)
+            v.data._decoded.clear()
+            assert await read_file(fs, ino) == data
+            problems, _ = await fsck(v, full=True)
+            assert problems == []
+    trio.run(main)

@@ -66,11 +66,11 @@ def run_op(args, op, **kw) -> int:
     if op in ("repair", "scrub") and result.get("stripes_short"):  # not back to full
         # redundancy (a drain says what it left on its device, above)
         failed = result.get("stripes_failed")
-        why = _why(result.get("fragments_short") or {})
+        short = result.get("fragments_short") or {}
         print(f"bmfs: {op}: " + (f"{failed} stripes failed; " if failed else "")
               + f"{result['stripes_short']} stripes still short of full redundancy "
-              f"(fragments: {why}); run it again once the devices are up, have room, or a "
-              f"device is added", file=sys.stderr)
+              f"(fragments: {_why(short)}); " + "; ".join(
+                  HINTS[w] for w in sorted(short) if w in HINTS), file=sys.stderr)
         return 1
     failed = result.get("stripes_failed") or result.get("fragments_failed")
     if failed:  # a rebalance that could not do all it set out to
@@ -80,6 +80,14 @@ def run_op(args, op, **kw) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+# what to do about fragments left short, by reason (vfs/repair.py's WHY)
+HINTS = {"no_device": "add a device (bmfs node add) or bring the missing one back",
+         "no_space": "free space on the devices or add one",
+         "device_down": "run it again once the devices are up",
+         "unreadable": "fewer than k good copies of some blocks: bring missing devices "
+                       "back; with all up, that data is lost (the mount log says which)"}
 
 
 def _shown(value) -> str:

@@ -580,6 +580,30 @@ def test_an_expired_token_is_renewed():
         cluster.stop()
 
 
+def test_a_password_alone_over_http(tmp_path):
+    """Authentication without certificates (plain http, a user and a password file):
+    the engine works with its token; without the user it is refused in one line."""
+    from bmfs.cluster.etcd import _post
+    cluster = EtcdCluster(size=1, secure=False)
+    try:
+        ep = cluster.endpoints[0]
+        (tmp_path / "pw").write_text("a password\n")
+        _post(ep, "/v3/auth/user/add", {"name": "root", "password": "a password"})
+        _post(ep, "/v3/auth/role/add", {"name": "root"})
+        _post(ep, "/v3/auth/user/grant", {"user": "root", "role": "root"})
+        _post(ep, "/v3/auth/enable", {})
+
+        async def main(kv):
+            await _put(kv, b"a", b"1")
+            return await kv.get(b"a"), kv.authentications
+        assert run(cluster, main, f"{cluster.url}?user=root&password-file={tmp_path}/pw") \
+            == (b"1", 1)
+        with pytest.raises(Access, match="requires authentication"):
+            run(cluster, main)
+    finally:
+        cluster.stop()
+
+
 # -- history compaction (bmfs/kv/etcd_compact.py) ------------------------------------------
 def test_a_watch_resuming_from_compacted_history_says_so(etcd_cluster):
     """A watch whose connection breaks resumes after the last change it delivered; if

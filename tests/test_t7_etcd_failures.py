@@ -108,6 +108,29 @@ def test_etcd_unreachable_at_mount(etcd_cluster, tmp_path):
     assert not is_mounted(tmp_path / "mnt")
 
 
+def test_wrong_etcd_credentials_at_mount(etcd_cluster, tmp_path):
+    """A volume whose etcd password file no longer holds the password, or whose URL
+    names a client key that is gone: `bmfs mount` exits 2 with one line saying so."""
+    etcd_cluster.wipe()
+    creds = etcd_cluster.creds
+    pw, key = tmp_path / "password", tmp_path / "client.key"
+    pw.write_bytes(open(creds.password_file, "rb").read())
+    key.write_bytes(open(creds.key, "rb").read())
+    url = etcd_cluster.url.replace(creds.password_file, str(pw)).replace(creds.key, str(key))
+    bmfs("mkfs", tmp_path / "vol", "--meta", url)
+    os.makedirs(tmp_path / "mnt")
+    pw.write_text("an old password\n")
+    res = bmfs("mount", tmp_path / "mnt", "--volume", tmp_path / "vol", check=False, timeout=60)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "authentication failed" in res.stderr and str(pw) in res.stderr
+    pw.write_bytes(open(creds.password_file, "rb").read())
+    key.unlink()
+    res = bmfs("mount", tmp_path / "mnt", "--volume", tmp_path / "vol", check=False, timeout=60)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "cannot use the client certificate" in res.stderr and str(key) in res.stderr
+    assert not is_mounted(tmp_path / "mnt")
+
+
 def _timed(cmd: list[str], timeout: float = 60) -> tuple[int, str, float]:
     t0 = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

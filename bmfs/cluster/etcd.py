@@ -83,9 +83,13 @@ class Credentials:
         return os.path.exists(os.path.join(directory, PKI, "ca.crt"))
 
     def make(self, names: list[str]) -> None:
-        """Certificates for the members ``names`` and the client; the root password."""
+        """Certificates for the members ``names`` and the client; the root password
+        (one left by an earlier attempt is kept)."""
         make_ca_and_certs(os.path.join(self.dir, PKI), names + [CLIENT])
-        fd = os.open(self.password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(self.password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(24) + "\n")
 

@@ -13,7 +13,7 @@ from bmfs.meta import namespace as ns
 from bmfs.meta.records import Inode
 from bmfs.vfs.fs import FileSystem
 from bmfs.vfs.fsck import fsck
-from bmfs.vfs.views import VIEW_SHIFT
+from bmfs.vfs.views import CTL_BRANCHES, CTL_VIEW, VIEW_SHIFT
 from bmfs.vfs.volume import Volume, mkfs
 from vfsutil import open_fs, read_file, write_file
 
@@ -934,3 +934,27 @@ def test_fsck_finds_data_past_a_files_size(tmp_path):
             problems, _ = await fsck(fs.volume)
             assert problems == [f"branch main: inode {ino} has data past its size 4"]
     trio.run(t)
+
+
+def test_the_mounted_branch_under_bm_is_a_view_of_its_own(tmp_path):
+    """/.bm/branches/main is not the root's inode (the kernel refuses the root inode
+    number anywhere else: EIO), shows the same tree, and a file open through one path
+    and unlinked through the other stays readable until closed, then is freed."""
+    async def t(fs):
+        data = os.urandom(200_000)
+        await write_file(fs, ROOT, b"f", data)
+        own = (await fs.control.lookup(CTL_BRANCHES, b"main")).ino
+        assert own >> VIEW_SHIFT not in (0, CTL_VIEW) and own & ((1 << VIEW_SHIFT) - 1) == ROOT
+        assert [(n, a.ino) for n, a in await fs.control.readdir(CTL_BRANCHES)] == [(b"main", own)]
+        assert await _names(fs, own) == [b"f"]
+        for opened_in, unlinked_in in ((ROOT, own), (own, ROOT)):
+            opened = (await fs.lookup(opened_in, b"f")).ino
+            fh = await fs.open(opened, os.O_RDONLY)
+            await fs.unlink(unlinked_in, b"f")
+            assert await fs.files.read(fh, 0, len(data)) == data
+            await fs.files.release(fh)
+            with raises(errno.ENOENT):
+                await fs.getattr(opened)
+            assert await fs.kv.range(b"o/", b"o0") == []
+            await write_file(fs, ROOT, b"f", data)
+    run(t, tmp_path)

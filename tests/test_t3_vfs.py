@@ -14,7 +14,7 @@ from bmfs.meta.records import Inode
 from bmfs.store.file import FileStore
 from bmfs.vfs.fs import FileSystem
 from bmfs.vfs.fsck import fsck
-from bmfs.vfs.views import VIEW_SHIFT
+from bmfs.vfs.views import CTL_BRANCHES, CTL_VIEW, VIEW_SHIFT
 from bmfs.vfs.volume import Volume, mkfs
 from vfsutil import open_fs, read_file, write_file
 
@@ -1207,3 +1207,27 @@ def test_a_full_device_keeps_no_cut_short_fragment(tmp_path):
         assert await read_file(fs, ino) == data
         assert not any(files for _, _, files in os.walk(fs.volume.device_paths[0] + "/frags"))
     run(t, tmp_path, fragment_size=64 << 10, layout="files")
+
+
+def test_the_mounted_branch_under_bm_is_a_view_of_its_own(tmp_path):
+    """/.bm/branches/main is not the root's inode (the kernel refuses the root inode
+    number anywhere else: EIO), shows the same tree, and a file open through one path
+    and unlinked through the other stays readable until closed, then is freed."""
+    async def t(fs):
+        data = os.urandom(200_000)
+        await write_file(fs, ROOT, b"f", data)
+        own = (await fs.control.lookup(CTL_BRANCHES, b"main")).ino
+        assert own >> VIEW_SHIFT not in (0, CTL_VIEW) and own & ((1 << VIEW_SHIFT) - 1) == ROOT
+        assert [(n, a.ino) for n, a in await fs.control.readdir(CTL_BRANCHES)] == [(b"main", own)]
+        assert await _names(fs, own) == [b"f"]
+        for opened_in, unlinked_in in ((ROOT, own), (own, ROOT)):
+            opened = (await fs.lookup(opened_in, b"f")).ino
+            fh = await fs.open(opened, os.O_RDONLY)
+            await fs.unlink(unlinked_in, b"f")
+            assert await fs.files.read(fh, 0, len(data)) == data
+            await fs.files.release(fh)
+            with raises(errno.ENOENT):
+                await fs.getattr(opened)
+            assert await fs.kv.range(b"o/", b"o0") == []
+            await write_file(fs, ROOT, b"f", data)
+    run(t, tmp_path)

@@ -702,3 +702,59 @@ def test_device_files_follow_nodev(volume, tmp_path):
         with pytest.raises(PermissionError):
             open(f"{mnt.mp}/null", "rb")
     assert_fsck_clean(volume)
+
+def test_merge_ours_and_theirs_take_the_winning_file_whole(mnt):
+    """The reported case through the CLI: each side rewrote g, one of them to another
+    size. --ours leaves ours (was ``ours\\n\\0\\0``), --theirs leaves theirs, and diff
+    then shows g unchanged; fsck is clean."""
+    mp = mnt.mp
+
+    def sh_in(cmd):
+        return sh(cmd, cwd=mp, env={**os.environ, "PATH": os.environ["PATH"]})
+    sh_in("echo base > g; echo base > h")
+    bmfs("branch", "create", "c2", "-m", mp)
+    sh_in("echo ours > g; echo theirs > .bm/branches/c2/g")
+    bmfs("merge", "c2", "--into", "main", "--ours", "-m", mp)
+    with open(f"{mp}/g", "rb") as f:
+        assert f.read() == b"ours\n"
+    bmfs("branch", "create", "c3", "-m", mp)
+    sh_in("echo ours > h; echo theirs > .bm/branches/c3/h")
+    bmfs("merge", "c3", "--into", "main", "--theirs", "-m", mp)
+    with open(f"{mp}/h", "rb") as f:
+        assert f.read() == b"theirs\n"
+    assert "/h" not in bmfs("diff", "c3", "main", "-m", mp).stdout
+    mnt.umount()
+    assert_fsck_clean(mnt.volume)
+
+
+@pytest.mark.parametrize("branch", ["main", "exp"])
+def test_the_mounted_branch_under_bm_branches(volume, tmp_path, branch):
+    """/.bm/branches/<the mounted branch> is a directory like any other branch's (it was
+    d????????? and EIO: the lookup handed the kernel the root inode number): listed,
+    stat'ed, read and written, the change seen at the root; after a remount too."""
+    mp = str(tmp_path / "mnt")
+    if branch != "main":
+        with Mounted(volume, mp):
+            bmfs("branch", "create", branch, "-m", mp)
+    with Mounted(volume, mp, "--branch", branch):
+        with open(f"{mp}/f", "w") as f:
+            f.write("one")
+        os.mkdir(f"{mp}/d")
+    for round_ in range(2):
+        with Mounted(volume, mp, "--branch", branch):
+            own = f"{mp}/.bm/branches/{branch}"
+            listing = sh(f"ls -la {mp}/.bm/branches").stdout
+            assert "?" not in listing and branch in listing, listing
+            assert os.path.isdir(own) and os.stat(own).st_ino != os.stat(mp).st_ino
+            assert sorted(os.listdir(own)) == ["d", "f"]
+            with open(f"{own}/f") as f:
+                assert f.read() == ("one" if round_ == 0 else "two, via .bm")
+            with open(f"{own}/f", "w") as f:
+                f.write("two, via .bm")
+            with open(f"{own}/d/new{round_}", "w") as f:
+                f.write("x")
+            with open(f"{mp}/f") as f:
+                assert f.read() == "two, via .bm"
+            assert sorted(os.listdir(f"{mp}/d")) == [f"new{i}" for i in range(round_ + 1)]
+            assert os.stat(f"{own}/d/..").st_ino == os.stat(own).st_ino
+    assert_fsck_clean(volume)

@@ -217,7 +217,9 @@ class Files:
 
     # -- bookkeeping ------------------------------------------------------------------------
     def is_open(self, view, ino) -> bool:
-        return (view.id, ino) in self.open_files
+        """Whether this mount holds the file open, through ``view`` or another view of
+        the same tree (the mounted branch is also under /.bm)."""
+        return any((v.id, ino) in self.open_files for v in self.fs.views.of_tree(view))
 
     @staticmethod
     def is_big(i: Inode) -> bool:
@@ -227,6 +229,8 @@ class Files:
 
     async def free_unlinked(self, view, ino: int) -> None:
         """Free now a file whose last name went and that is not open here (a big one)."""
+        view = next((v for v in self.fs.views.of_tree(view) if (v.id, ino) in self.orphaned),
+                    view)  # (the view it was unlinked through)
         lay = self.orphaned.get((view.id, ino))
         if lay is not None and not self.is_open(view, ino):
             del self.orphaned[(view.id, ino)]
@@ -624,7 +628,7 @@ class Files:
                 left.clear()
                 done.clear()
                 for ino, lay, expect in group:
-                    if (view.id, ino) in self.open_files:
+                    if self.is_open(view, ino):
                         continue
                     if not await self._free_step(txn, chain, view, ino, lay, expect, done,
                                                  whole=True):
@@ -721,7 +725,7 @@ class Files:
             if shared:
                 await self._sweep_shared(view, lay, ino, owner, now, seen, live, due)
                 continue
-            if (view.id, ino) in self.open_files:
+            if self.is_open(view, ino):
                 continue
             if owner and owner.decode() != self.fs.mount_id and \
                     await self.kv.get(keys.mount(owner.decode())) is not None:
@@ -743,7 +747,7 @@ class Files:
         names is gone."""
         me = self.fs.mount_id
         named = holders(record)
-        if (view.id, ino) in self.open_files:
+        if self.is_open(view, ino):
             await self.claim_if_open(lay, ino, record)
             return
         if record.startswith(UNCLAIMED):
@@ -784,7 +788,7 @@ class Files:
         put it): if this mount holds the file open and is not named, claim it."""
         view = self.fs.views.get(0)
         if (view is None or not self.fs.defers_free(view) or lay not in view.chain.layers
-                or (view.id, ino) not in self.open_files
+                or not self.is_open(view, ino)
                 or self.fs.mount_id in holders(record)):
             return
         await self._set_holders(view, ino, lay, add=self.fs.mount_id, expect=record)

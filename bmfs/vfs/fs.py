@@ -135,11 +135,12 @@ class FileSystem:
     def defers_free(self, view) -> bool:
         """Whether a file of ``view`` whose last name goes (and last handle here closes)
         is left to the orphan sweep (Files.reap_orphans) rather than freed at once: on
-        a shared volume, in the tree the sweep looks after (view 0), where a file
-        unlinked by one mount stays readable and writable through the handles other
-        mounts hold, as it does through this mount's."""
+        a shared volume, in the tree the sweep looks after (view 0, and that tree
+        under /.bm), where a file unlinked by one mount stays readable and writable
+        through the handles other mounts hold, as it does through this mount's."""
         from .files import ORPHAN_GRACE  # (opt-in: docs/etcd.md)
-        return ORPHAN_GRACE is not None and self.shared and view.id == 0
+        return ORPHAN_GRACE is not None and self.shared and \
+            view in self.views.of_tree(self.views.get(0))
 
     def split(self, fino: int):
         view = fino >> VIEW_SHIFT

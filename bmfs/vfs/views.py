@@ -1,9 +1,16 @@
 """Views: the trees a mount shows, and how their inode numbers are made.
 
 A mount shows its branch at the root (view 0) and, under the hidden ``.bm``
-directory, every other branch and snapshot. Inode numbers seen by the kernel are
+directory, every branch and snapshot. Inode numbers seen by the kernel are
 ``view << 48 | ino``: view 0 keeps the stored numbers, so the mounted branch's inode
 numbers are stable across mounts. View 0xFFFF holds the control directory itself.
+
+The mounted branch's own directory under ``.bm`` is a view of its own (``by_name``
+names it, not view 0): the kernel takes the root inode number for the mount's root
+only (a lookup that returns it elsewhere fails with EIO), and a directory reached by
+two paths would be moved between them. The two views of that branch are as two mounts
+of it: close-to-open, and attributes the kernel cached through one path catch up with
+a change made through the other at the next open or within the attribute timeout.
 """
 from __future__ import annotations
 
@@ -68,8 +75,10 @@ class Views:
         return Chain(tuple(layers), branch)
 
     async def add(self, kind: str, name: str, view_id: int | None = None) -> View:
+        """The view of a tree under ``.bm`` (made on first use), or with ``view_id=0``
+        the mounted tree's view at the root."""
         key = (kind, name)
-        if key in self.by_name:
+        if view_id is None and key in self.by_name:
             return self.by_name[key]
         chain = await self.chain_for(kind, name)
         if view_id is None:
@@ -77,22 +86,28 @@ class Views:
             self._next += 1
         v = View(view_id, kind, name, chain)
         self.by_id[view_id] = v
-        self.by_name[key] = v
+        if view_id != 0:
+            self.by_name[key] = v
         return v
 
     def drop(self, kind: str, name: str) -> None:
         v = self.by_name.pop((kind, name), None)
-        if v is not None and v.id != 0:
+        if v is not None:
             self.by_id.pop(v.id, None)
 
     async def refresh(self) -> None:
         """Re-read every view's chain (after a branch operation changed a head)."""
-        for key, v in list(self.by_name.items()):
+        for v in list(self.by_id.values()):
             try:
                 v.chain = await self.chain_for(v.kind, v.name)
             except NotFound:
                 if v.id != 0:
-                    self.drop(*key)
+                    self.drop(v.kind, v.name)
+
+    def of_tree(self, view: View) -> list[View]:
+        """``view`` and the other views of its tree (the mounted branch has two)."""
+        return [view] + [v for v in self.by_id.values() if v is not view and
+                         v.kind == view.kind and v.name == view.name]
 
     def get(self, view_id: int) -> View:
         v = self.by_id.get(view_id)

@@ -23,3 +23,28 @@ def test_version():
     res = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "--version"],
                          capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.strip() == f"bmfs {version('bmfs')}", res
+
+
+def test_mount_options():
+    """mount(8)'s options: ours, the ones left to mount(8)/fstab/libfuse, a remount
+    (mount(8) puts the current options before `remount`: the ones after it win),
+    unknown and contradictory ones (one-line errors)."""
+    import pytest
+
+    from bmfs.cli.main import UserError
+    from bmfs.cli.mount import MS_NOATIME, MS_NODEV, MS_RDONLY, MS_REMOUNT, _mount_flags
+    from bmfs.cli.mount import parse_options as p
+    assert p("") == ({}, False, None)
+    assert p("ro,noatime,nodev,nosuid,noexec,branch=x,defaults,_netdev,x-systemd.a=1") == (
+        {"read_only": True, "atime": "noatime", "dev": False, "suid": False, "exec": False},
+        False, "x")
+    assert p("ro,relatime,remount,noatime,user_id=0,group_id=0,allow_other") == (
+        {"read_only": True, "atime": "noatime"}, True, None)
+    assert p("rw,relatime,remount") == ({"read_only": False}, True, None)  # (atime: kept)
+    for bad, msg in (("ro,rw", "contradictory mount options: ro and rw"),
+                     ("remount,dev,nodev", "contradictory mount options: dev and nodev"),
+                     ("bogus", "unknown mount option 'bogus'"), ("sync", "unknown")):
+        with pytest.raises(UserError, match=msg):
+            p(bad)
+    flags = _mount_flags({"rw", "nodev", "noatime"}, {"read_only": True})
+    assert flags == MS_REMOUNT | MS_RDONLY | MS_NODEV | MS_NOATIME

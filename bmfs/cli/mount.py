@@ -29,7 +29,8 @@ def add_parser(sub):
                    help="kernel attribute cache seconds (0 to 3600, default 1)")
     p.add_argument("-o", dest="options", default="",
                    help="mount options, comma-separated: ro, rw, relatime (default), "
-                   "strictatime, noatime, dev, nodev, suid, nosuid, exec, noexec")
+                   "strictatime, noatime, dev, nodev, suid, nosuid, exec, noexec, "
+                   "branch=NAME (docs/operations.md)")
     p.add_argument("--ready-fd", type=int, help=argparse_suppress())
     p.set_defaults(func=run)
 
@@ -81,6 +82,10 @@ def _check_mountpoint(mp):
 
 
 def run(args) -> int:
+    flags, remount, branch = parse_options(args.options)
+    if remount:
+        raise UserError("bmfs mount does not remount: use mount -o remount,... MOUNTPOINT")
+    args.branch = branch or args.branch
     mp = os.path.abspath(args.mountpoint)
     volume = args.volume or default_volume()
     if args.volume is None and not os.path.exists(os.path.join(volume, "volume.json")):
@@ -90,9 +95,6 @@ def run(args) -> int:
         run_trio(mkfs, volume, k, m)
     if args.mountpoint and not os.path.exists(mp) and args.volume is None:
         os.makedirs(mp, exist_ok=True)
-    flags, remount, _ = parse_options(args.options)
-    if remount:
-        raise UserError("bmfs mount does not remount: use mount -o remount,... MOUNTPOINT")
     _check_mountpoint(mp)
     from ..vfs.volume import read_volume_file
     read_volume_file(volume)  # a missing or foreign volume fails here, in one line
@@ -311,7 +313,7 @@ def _remount(mp: str, flags: dict) -> int:
         raise UserError(f"no running bmfs daemon serves {mp}")
     if not _catches(pid, signal.SIGUSR1):
         raise UserError(f"the daemon serving {mp} (pid {pid}) cannot take a remount up "
-                        f"(an older bmfs): unmount and mount again")
+                        f"(it is stopping, or of an older bmfs): unmount and mount again")
     cur = set(m["options"])
     told = {k: v for k, v in flags.items() if k in ("read_only", "atime")}
     to_rw = "ro" in cur and flags.get("read_only") is False

@@ -138,14 +138,22 @@ def remount_file(volume_path: str, mountpoint: str) -> str:
 async def _remounts(fs, path: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Take up remounts: on SIGUSR1, read the options the mount helper put in ``path``
     (JSON: ``read_only``, ``atime``, either left out if unchanged), apply them, and
-    delete the file, which tells the helper they are in force. Only a process allowed to signal the daemon (root, or
-    the user who mounted) can ask. The helper checks that the daemon catches SIGUSR1
-    (a daemon that does not would die of it), so it is caught from before the mount
-    is ready. Without the main thread (no signals there) it returns at once."""
+    delete the file, which tells the helper they are in force. Only a process allowed
+    to signal the daemon (root, or the user who mounted) can ask. The helper checks
+    that the daemon catches SIGUSR1 (one that does not would die of it): it is caught
+    from before the mount is ready, and ignored once the daemon stops serving. Without
+    the main thread (no signals there) it returns at once."""
     import threading
     if threading.current_thread() is not threading.main_thread():
         task_status.started()
         return
+    try:
+        await _take_remounts(fs, path, task_status)
+    finally:  # (a late one must not end the daemon while it stores what it holds)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+async def _take_remounts(fs, path: str, task_status) -> None:
     with trio.open_signal_receiver(signal.SIGUSR1) as sigs:
         task_status.started()
         async for _ in sigs:

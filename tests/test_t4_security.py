@@ -230,9 +230,9 @@ def test_volume_files_are_private(public):
             f.write(b"TOPSECRET" * (1 << 20))
             os.fsync(f.fileno())
         assert _mode(vol) == 0o700
-        files = [f"{vol}/{n}" for n in ("volume.json", "meta.db", "meta.db-wal",
-                                       "meta.db-shm", "mount.log", "mount.pid")]
-        files += glob.glob(f"{vol}/mounts/*")
+        files = [f"{vol}/{n}" for n in ("volume.json", "mount.log", "mount.pid")]
+        files += glob.glob(f"{vol}/mounts/*") + glob.glob(f"{vol}/meta.db*")
+        assert f"{vol}/meta.db-wal" in files
         frag_files = glob.glob(f"{vol}/dev*/frags/*/*")
         assert frag_files
         for p in files + frag_files + glob.glob(f"{vol}/dev*/DEVICE"):
@@ -247,6 +247,21 @@ def test_volume_files_are_private(public):
         assert "TOPSECRET" not in r.stdout and r.returncode != 0
     finally:
         m.umount()
+
+
+def test_mkfs_called_in_process_makes_a_private_volume(public):
+    """mkfs from a program (not the CLI, whose umask is 077) with umask 0."""
+    import trio
+    from bmfs.vfs.volume import mkfs as mkfs_here
+    old = os.umask(0)
+    try:
+        trio.run(mkfs_here, f"{public}/vol", 2, 1)
+    finally:
+        os.umask(old)
+    for dp, dns, fns in os.walk(f"{public}/vol"):
+        assert _mode(dp) == 0o700, dp
+        for n in fns:
+            assert _mode(os.path.join(dp, n)) == 0o600, n
 
 
 def test_older_volume_tightened_once(public):
@@ -266,7 +281,8 @@ def test_older_volume_tightened_once(public):
     r = as_nobody("cat", f"{vol}/meta.db")
     assert r.returncode == 0  # the setup did loosen it
     with Mounted(vol, f"{public}/mnt"):
-        assert _mode(vol) == 0o700 and _mode(f"{vol}/meta.db") == 0o600
+        assert _mode(vol) == 0o700
+        assert all(_mode(p) == 0o600 for p in glob.glob(f"{vol}/meta.db*"))
         assert all(_mode(p) == 0o700 for p in glob.glob(f"{vol}/dev*/frags/*"))
         assert as_nobody("cat", f"{vol}/meta.db").returncode != 0
     with Mounted(vol, f"{public}/mnt"):
@@ -339,3 +355,22 @@ def test_device_paths_refused(public, tmp_path):
         r = bmfs("mkfs", tmp_path / "v3", *args, f"{m.mp}/inside", "--device",
                  tmp_path / "d3", check=False)
         assert r.returncode == 2 and "inside the bmfs mount" in r.stderr
+
+
+def test_admin_group_setting_offline(public):
+    vol = f"{public}/vol"
+    r = bmfs("mkfs", vol, "--admin-group", "no-such-group-here", check=False)
+    assert r.returncode == 2 and "no group 'no-such-group-here'" in r.stderr
+    assert not os.path.exists(f"{vol}/volume.json")
+    mkfs(vol)
+    g = _group_other_than_nobodys()
+    assert bmfs("admin-group", "--volume", vol).stdout == "admin group: none (root alone)\n"
+    assert bmfs("admin-group", g.gr_name, "--volume", vol).stdout == \
+        f"admin group: {g.gr_name}\n"
+    r = bmfs("admin-group", "no-such-group-here", "--volume", vol, check=False)
+    assert r.returncode == 2 and "no group" in r.stderr
+    r = bmfs_as_nobody("admin-group", "--none", "--volume", vol)  # the volume is root's
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    with Mounted(vol, f"{public}/mnt") as m:
+        assert bmfs("admin-group", "-m", m.mp).stdout == f"admin group: {g.gr_name}\n"
+        assert os.stat(f"{m.mp}/.bm/ctl").st_gid == g.gr_gid

@@ -218,16 +218,19 @@ def _check_new_device(d: str, volume: str) -> None:
 
 def tighten(path: str, info: dict, records: dict[int, dict]) -> list[str]:
     """Take others' access off what the volume keeps on this machine: its directory
-    (0700), its files (0600: volume.json, the SQLite metadata and its -wal and -shm,
-    mount.log, pid files, the secret) and its local devices (tighten_device). A volume
+    (0700), its files (0600: volume.json, the SQLite metadata and the files beside it
+    named after it: -wal, -shm, lock, mount.log, pid files, the secret) and its local devices (tighten_device). A volume
     made by an older bmfs left them readable. Returns what changed."""
     changed: list[str] = []
     try:
         make_private(path, 0o700, changed)
         names = [VOLUME_FILE, "mount.log", "mount.pid", info.get("secret", "secret")]
         meta = info.get("meta", "")
-        if meta.startswith("sqlite:"):
-            names += [meta[7:] + ext for ext in ("", "-wal", "-shm")]
+        if meta.startswith("sqlite:"):  # the database and its -wal, -shm, lock ...
+            db = meta[7:]
+            names += [os.path.join(os.path.dirname(db), n) for n in
+                      os.listdir(os.path.dirname(db) or ".")
+                      if n.startswith(os.path.basename(db))]
         for name in names:
             make_private(os.path.join(path, name), 0o600, changed)
         make_private_folder(os.path.join(path, "mounts"), 0o600, changed)

@@ -926,6 +926,10 @@ def test_listings_have_dot_and_dotdot(tmp_path):
         assert [(n, a.ino) for n, a in (await fs.readdir(x.ino, dots=True))[:2]] == \
             [(b".", x.ino), (b"..", broot.ino)]
         assert (await fs.lookup(x.ino, b"..")).ino == broot.ino
+        f = await fs.lookup(p.ino, b"f")
+        for name in (b".", b".."):
+            with raises(errno.ENOTDIR):
+                await fs.lookup(f.ino, name)
     run(t, tmp_path)
 
 

@@ -262,10 +262,11 @@ class FileSystem:
             return self.control.getattr(CTL_ROOT)
         view, ino = self.split(parent)
         txn = self.kv.begin()
-        if name == b".":
-            return await self.getattr(parent)
-        if name == b"..":
-            return await self.getattr(self._up(await self.getattr(parent)))
+        if name in (b".", b".."):
+            a = await self.getattr(parent)
+            if not stat.S_ISDIR(a.mode):
+                raise NotDir()
+            return a if name == b"." else await self.getattr(self._up(a))
         ent = await ns.lookup(txn, view.chain, ino, name)
         if ent is None and await self.kv.barrier():  # close-to-open for names too: a
             txn = self.kv.begin()                     # file just closed on another mount

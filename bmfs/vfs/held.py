@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 from ..meta.records import Inode
+
+if TYPE_CHECKING:
+    from .fs import Attr
 
 
 class HeldDirs:
@@ -28,13 +32,13 @@ class HeldDirs:
     counting; ``answered`` and ``removed`` from the vfs."""
 
     def __init__(self):
-        self.attrs: dict[int, object] = {}
+        self.attrs: dict[int, Attr] = {}
 
-    def saw(self, a) -> None:
+    def saw(self, a: Attr) -> None:
         """A reply gave the kernel directory ``a`` (an Attr)."""
         self.attrs[a.ino] = a
 
-    def answered(self, a) -> None:
+    def answered(self, a: Attr) -> None:
         """The current attributes of a directory: kept if the kernel holds it."""
         if a.ino in self.attrs:
             self.attrs[a.ino] = a
@@ -50,7 +54,7 @@ class HeldDirs:
     def forgot(self, fino: int) -> None:
         self.attrs.pop(fino, None)
 
-    def dead(self, fino: int):
+    def dead(self, fino: int) -> Attr | None:
         """The attributes of held directory ``fino``, found gone: as it was last, with
         no link left (None if the kernel does not hold it)."""
         a = self.attrs.get(fino)
@@ -60,7 +64,7 @@ class HeldDirs:
             a = self.attrs[fino] = dataclasses.replace(a, nlink=0)
         return a
 
-    def change(self, fino: int, **kw):
+    def change(self, fino: int, **kw) -> Attr | None:
         """setattr of a removed held directory (fchmod on a descriptor, say): the
         change is kept with it; the Attr, or None if it is not held."""
         a = self.dead(fino)

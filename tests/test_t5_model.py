@@ -720,6 +720,11 @@ class MergeModel(RuleBasedStateMachine):
             return side, None
         return side, data.draw(st.sampled_from(names), label="name")
 
+    def changed(self, side, name, what):
+        """``what`` ("data", "meta") was done to ``name`` on ``side``: noted, checked."""
+        self.touched(side, name, what)
+        self.check(side, name)
+
     def touched(self, side, name, what):
         o = self.side[side].get(name)
         b = (self.base or {}).get(name)
@@ -760,8 +765,7 @@ class MergeModel(RuleBasedStateMachine):
             os.close(fd)
         old = o.data.ljust(offset, b"\0")
         o.data = old[:offset] + payload_ + old[offset + length:]
-        self.touched(side, name, "data")
-        self.check(side, name)
+        self.changed(side, name, "data")
 
     @rule(data=st.data(), **CHANGES["truncate"])
     def truncate(self, data, size):
@@ -773,8 +777,7 @@ class MergeModel(RuleBasedStateMachine):
             size += 1  # (a truncate to the same size need not change the file)
         os.truncate(os.path.join(self.dir_of(side), name), size)
         o.data = o.data[:size].ljust(size, b"\0")
-        self.touched(side, name, "data")
-        self.check(side, name)
+        self.changed(side, name, "data")
 
     @rule(data=st.data(), **CHANGES["chmod"])
     def chmod(self, data, mode):
@@ -783,8 +786,7 @@ class MergeModel(RuleBasedStateMachine):
             return
         os.chmod(os.path.join(self.dir_of(side), name), mode)
         self.side[side][name].mode = mode
-        self.touched(side, name, "meta")
-        self.check(side, name)
+        self.changed(side, name, "meta")
 
     @rule(data=st.data(), **CHANGES["xattr"])
     def xattr(self, data, key, value, remove):
@@ -800,8 +802,7 @@ class MergeModel(RuleBasedStateMachine):
         else:
             os.setxattr(p, key, value)
             o.xattrs[key] = value
-        self.touched(side, name, "meta")
-        self.check(side, name)
+        self.changed(side, name, "meta")
 
     @rule(data=st.data(), **CHANGES["replace"])
     def replace(self, data, size, seed, dest, link):

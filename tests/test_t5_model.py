@@ -14,7 +14,8 @@ byte with its model: what was written reached the devices and the metadata.
 
 The model of a branch or snapshot is a ``cp -a`` copy (hard links kept) of the model
 directory it was made from; a fast-forward merge replaces the target's model with the
-source's.
+source's. Three-way merges have a model of their own (``MergeModel``): a few names, each
+a file or symlink changed on both sides, and what a merge must make of each.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ import subprocess
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule, run_state_machine_as_test)
 
 from mountutil import Mounted, assert_fsck_clean
 
@@ -46,6 +47,7 @@ ERRNO_CLASS = {errno.EEXIST: errno.ENOTEMPTY}
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), database=None)
 # a longer hunt: BMFS_MODEL_EXAMPLES=500 pytest tests/test_t5_model.py
 EXAMPLES = int(os.environ.get("BMFS_MODEL_EXAMPLES", "40"))
+MERGE_EXAMPLES = int(os.environ.get("BMFS_MERGE_EXAMPLES", "20"))
 
 offsets = st.one_of(st.integers(0, 20000), st.integers(0, 20000),
                     st.integers(STRIPE - 6000, STRIPE + 6000), st.integers(0, 9 * MiB))
@@ -177,6 +179,13 @@ class Env:
         self.examples = 0
         self.final: dict[str, tuple[str, bool]] = {}
 
+    def new_example(self, prefix: str) -> str:
+        """The name of the next example's directory in main, made."""
+        self.examples += 1
+        ex = f"{prefix}{self.examples}"
+        os.mkdir(os.path.join(self.mnt.mp, ex))
+        return ex
+
 
 class FsModel(RuleBasedStateMachine):
     """File operations on the example's directory in main (and, in the subclass, in
@@ -187,13 +196,11 @@ class FsModel(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         env = self.env
-        env.examples += 1
-        self.ex = f"ex{env.examples}"
+        self.ex = env.new_example("ex")
         self.mp = env.mnt.mp
         self.base = os.path.join(env.model_root, self.ex)
         os.makedirs(os.path.join(self.base, "trees", "main"))
         os.makedirs(os.path.join(self.base, "snaps"))
-        os.mkdir(os.path.join(self.mp, self.ex))
         # tree name -> (directory in the mount, directory of the model)
         self.trees = {"main": (os.path.join(self.mp, self.ex),
                                os.path.join(self.base, "trees", "main"))}
@@ -550,3 +557,368 @@ def test_posix_model(mnt, tmp_path):
 
 def test_branch_model(mnt, tmp_path):
     run_model(BranchModel, mnt, tmp_path, max_examples=EXAMPLES, stateful_step_count=40)
+
+
+# -- three-way merges: a file at a time, compared with what a merge must make of it --------
+MERGE_NAMES = ["a", "b"]  # few: both sides often change the same one
+XATTR_NAMES = ["user.bm.type", "user.x"]
+XATTR_VALUES = [b"npy", b"proto:bmfs.examples.Sample", b"1", b"22"]
+merge_offsets = st.one_of(st.integers(0, 5000), st.integers(0, 5000), st.integers(0, 70000),
+                          st.integers(STRIPE - 3000, STRIPE + 3000))
+merge_lengths = st.one_of(st.integers(1, 3000), st.integers(1, 70000))
+merge_sizes = st.one_of(st.integers(0, 5000), st.integers(0, 5000), st.integers(0, 70000),
+                        st.integers(STRIPE - 3000, STRIPE + 3000))
+seeds = st.integers(0, 2**32)
+strategies = st.sampled_from([None, "ours", "theirs"])
+# MergeModel's changes: method -> its arguments
+CHANGES = {
+    "write": dict(offset=merge_offsets, length=merge_lengths, seed=seeds, inside=st.booleans()),
+    "truncate": dict(size=merge_sizes),
+    "chmod": dict(mode=st.sampled_from([0o644, 0o600, 0o755, 0o640])),
+    "xattr": dict(key=st.sampled_from(XATTR_NAMES), value=st.sampled_from(XATTR_VALUES),
+                  remove=st.booleans()),
+    "replace": dict(size=merge_sizes, seed=seeds, dest=st.sampled_from(["a", "nowhere", "d/x"]),
+                    link=st.booleans()),
+    "remove": {},
+}
+
+
+class Obj:
+    """The model of one name: a regular file (``data``, ``mode``, ``xattrs``) or a
+    symlink (``target``); ``id`` tells inodes apart (a name given a new file or symlink
+    changes its entry, not the old inode)."""
+
+    def __init__(self, id, data=b"", target=None, mode=0o644, xattrs=None):
+        self.id, self.data, self.target, self.mode = id, data, target, mode
+        self.xattrs = dict(xattrs or {})
+
+    def copy(self):
+        return Obj(self.id, self.data, self.target, self.mode, self.xattrs)
+
+    def shown(self):
+        """What a user sees (not the id)."""
+        if self.target is not None:
+            return ("link", self.target)
+        return ("file", len(self.data), hashlib.sha256(self.data).hexdigest(), self.mode,
+                tuple(sorted(self.xattrs.items())))
+
+
+def shown_in(real_dir) -> dict:
+    """name -> what bmfs shows of it (as Obj.shown), read past the page cache."""
+    out = {}
+    for name in sorted(os.listdir(real_dir)):
+        p = os.path.join(real_dir, name)
+        s = os.lstat(p)
+        if stat.S_ISLNK(s.st_mode):
+            out[name] = ("link", os.readlink(p))
+            continue
+        data = read_all(p)
+        assert len(data) == s.st_size, f"{p}: {len(data)} bytes read, stat says {s.st_size}"
+        xattrs = tuple(sorted((k, os.getxattr(p, k)) for k in os.listxattr(p)))
+        out[name] = ("file", len(data), hashlib.sha256(data).hexdigest(),
+                     stat.S_IMODE(s.st_mode), xattrs)
+    return out
+
+
+def merged_name(b, s, t, fs, ft, strategy):
+    """What a three-way merge makes of one name: ``("ok", Obj or None, the side it comes
+    from whole: "s", "t" or None)``, or ``("refused",)``. ``b``, ``s``, ``t``: base, source, target (Obj or
+    None); ``fs``, ``ft``: what each side did to the base's inode ({"data", "meta"})."""
+    bid = b.id if b else None
+    ds, dt = (s.id if s else None) != bid, (t.id if t else None) != bid
+    win = {"theirs": s, "ours": t}.get(strategy)
+    whole = {"theirs": "s", "ours": "t"}.get(strategy)
+    if ds and dt:  # both gave the name something new (or both removed it)
+        if (s is None) and (t is None):
+            return ("ok", None, None)
+        return ("refused",) if strategy is None else ("ok", win, whole)
+    if ds or dt:
+        other_changed = ft if ds else fs
+        if not other_changed:
+            return ("ok", s if ds else t, "s" if ds else "t")
+        # one side took the name away from the inode the other side changed
+        if strategy is None:
+            return ("refused",)
+        renamer_wins = (strategy == "theirs") == ds
+        if renamer_wins:
+            return ("ok", win, whole)
+        if (s if ds else t) is not None:  # the name now holds another inode there
+            return ("refused",)
+        return ("ok", win, whole)
+    if b is None:
+        return ("ok", None, None)
+    conflict = "data" in fs and "data" in ft
+    if s.mode != b.mode and t.mode != b.mode and s.mode != t.mode:
+        conflict = True
+    keys_ = set(b.xattrs) | set(s.xattrs) | set(t.xattrs)
+    for k in keys_:
+        sv, bv, tv = s.xattrs.get(k), b.xattrs.get(k), t.xattrs.get(k)
+        if sv != bv and tv != bv and sv != tv:
+            conflict = True
+    if conflict:
+        return ("refused",) if strategy is None else ("ok", win, whole)
+    out = t.copy()
+    if "data" in fs:
+        out.data = s.data
+    if s.mode != b.mode:
+        out.mode = s.mode
+    for k in keys_:
+        if s.xattrs.get(k) != b.xattrs.get(k):
+            if k in s.xattrs:
+                out.xattrs[k] = s.xattrs[k]
+            else:
+                out.xattrs.pop(k, None)
+    return ("ok", out, "s" if fs and not ft else "t" if not fs else None)
+
+
+class MergeModel(RuleBasedStateMachine):
+    """Rounds of: a branch of main; files and symlinks changed on either side (their
+    sizes, kinds, contents, modes and xattrs made to differ); a merge of the branch into
+    main with --ours, --theirs or no strategy, compared name by name with
+    ``merged_name``: every byte, the size, mode and xattrs of each file. With no
+    strategy a conflict must change nothing; ``bmfs diff`` must not list a file that
+    came whole from one side against that side (the branch, or a snapshot of main
+    taken before the merge)."""
+
+    env: Env = None
+
+    def __init__(self):
+        super().__init__()
+        self.ex = self.env.new_example("mx")
+        self.mp = self.env.mnt.mp
+        self.model_dir = os.path.join(self.env.model_root, self.ex)
+        self.side = {"main": {}}       # side -> name -> Obj
+        self.did = {"main": {}}        # side -> name -> what was done to the base's inode
+        self.base: dict | None = None  # main at the fork, while a round's branch lives
+        self.branch = None
+        self.n = 0
+        self.ids = 0
+        self.changes = 0
+
+    def ctl(self, op, **args):
+        return self.env.mnt.ctl(op, **args)
+
+    def dir_of(self, side):
+        if side == "main":
+            return os.path.join(self.mp, self.ex)
+        return os.path.join(self.mp, ".bm", "branches", self.branch, self.ex)
+
+    def new_id(self):
+        self.ids += 1
+        return self.ids
+
+    def pick(self, data, kinds=("file", "none")):
+        sides = sorted(self.side)
+        side = data.draw(st.sampled_from(sides), label="side")
+        objs = self.side[side]
+
+        def kind(n):
+            o = objs.get(n)
+            return "none" if o is None else ("link" if o.target is not None else "file")
+        names = [n for n in MERGE_NAMES if kind(n) in kinds]
+        if not names:
+            return side, None
+        return side, data.draw(st.sampled_from(names), label="name")
+
+    def changed(self, side, name, what):
+        """``what`` ("data", "meta") was done to ``name`` on ``side``: noted, checked."""
+        self.touched(side, name, what)
+        self.check(side, name)
+
+    def touched(self, side, name, what):
+        o = self.side[side].get(name)
+        b = (self.base or {}).get(name)
+        if o is not None and b is not None and o.id == b.id:
+            self.did[side].setdefault(name, set()).add(what)
+
+    def check(self, side, name=None):
+        """bmfs shows what the model has: of ``name`` (after a change to it), or all."""
+        if name is not None:
+            self.changes += 1
+        got = shown_in(self.dir_of(side))
+        want = {n: o.shown() for n, o in self.side[side].items() if o is not None}
+        if name is not None:
+            got, want = got.get(name), want.get(name)
+        assert got == want, f"{self.ex} {side} {name or ''}: bmfs {got}, model {want}"
+
+    # -- changes on either side -----------------------------------------------------------
+    @rule(data=st.data(), **CHANGES["write"])
+    def write(self, data, offset, length, seed, inside):
+        """A write (``inside``: within the file, keeping its size, which the other side
+        may change)."""
+        side, name = self.pick(data)
+        if name is None:
+            return
+        p = os.path.join(self.dir_of(side), name)
+        o = self.side[side].get(name)
+        if inside and o is not None and o.data:
+            offset %= len(o.data)
+            length = min(length, len(o.data) - offset)
+        payload_ = payload(seed, length)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            if o is None:
+                os.fchmod(fd, 0o644)
+                o = self.side[side][name] = Obj(self.new_id())
+            os.pwrite(fd, payload_, offset)
+        finally:
+            os.close(fd)
+        old = o.data.ljust(offset, b"\0")
+        o.data = old[:offset] + payload_ + old[offset + length:]
+        self.changed(side, name, "data")
+
+    @rule(data=st.data(), **CHANGES["truncate"])
+    def truncate(self, data, size):
+        side, name = self.pick(data, ("file",))
+        if name is None:
+            return
+        o = self.side[side][name]
+        if size == len(o.data):
+            size += 1  # (a truncate to the same size need not change the file)
+        os.truncate(os.path.join(self.dir_of(side), name), size)
+        o.data = o.data[:size].ljust(size, b"\0")
+        self.changed(side, name, "data")
+
+    @rule(data=st.data(), **CHANGES["chmod"])
+    def chmod(self, data, mode):
+        side, name = self.pick(data, ("file",))
+        if name is None:
+            return
+        os.chmod(os.path.join(self.dir_of(side), name), mode)
+        self.side[side][name].mode = mode
+        self.changed(side, name, "meta")
+
+    @rule(data=st.data(), **CHANGES["xattr"])
+    def xattr(self, data, key, value, remove):
+        side, name = self.pick(data, ("file",))
+        if name is None:
+            return
+        o, p = self.side[side][name], os.path.join(self.dir_of(side), name)
+        if remove:
+            if key not in o.xattrs:
+                return
+            os.removexattr(p, key)
+            del o.xattrs[key]
+        else:
+            os.setxattr(p, key, value)
+            o.xattrs[key] = value
+        self.changed(side, name, "meta")
+
+    @rule(data=st.data(), **CHANGES["replace"])
+    def replace(self, data, size, seed, dest, link):
+        """The name gets a new file or a symlink (its old inode goes)."""
+        side, name = self.pick(data, ("file", "link", "none"))
+        p = os.path.join(self.dir_of(side), name)
+        if self.side[side].get(name) is not None:
+            os.unlink(p)
+        if link:
+            os.symlink(dest, p)
+            self.side[side][name] = Obj(self.new_id(), target=dest)
+        else:
+            body = payload(seed, size)
+            with open(p, "wb") as f:
+                f.write(body)
+            os.chmod(p, 0o644)
+            self.side[side][name] = Obj(self.new_id(), data=body)
+        self.check(side, name)
+
+    @rule(data=st.data())
+    def remove(self, data):
+        side, name = self.pick(data, ("file", "link"))
+        if name is None:
+            return
+        os.unlink(os.path.join(self.dir_of(side), name))
+        self.side[side][name] = None
+        self.check(side, name)
+
+    # -- the rounds -----------------------------------------------------------------------
+    @initialize(sizes=st.lists(merge_sizes, min_size=len(MERGE_NAMES),
+                               max_size=len(MERGE_NAMES)), seed=st.integers(0, 2**32))
+    def start(self, sizes, seed):
+        """Main starts with a file of each name, and the first round's branch."""
+        for i, (name, size) in enumerate(zip(MERGE_NAMES, sizes)):
+            body = payload(seed + i, size)
+            with open(os.path.join(self.dir_of("main"), name), "wb") as f:
+                f.write(body)
+            self.side["main"][name] = Obj(self.new_id(), data=body)
+        self.fork()
+
+    def fork(self):
+        self.n += 1
+        self.branch = f"m{self.ex[2:]}_{self.n}"
+        reply = self.ctl("branch_create", name=self.branch, source="main")
+        assert reply["ok"], reply
+        main = self.side["main"]
+        self.base = {n: o.copy() for n, o in main.items() if o is not None}
+        self.side["br"] = {n: o.copy() for n, o in self.base.items()}
+        self.did = {"main": {}, "br": {}}
+        self.changes = 0  # in this round (a merge waits for a few)
+        self.check("br")
+
+    @rule(data=st.data(), n=st.integers(2, 8), strategy=strategies)
+    def changes_then_merge(self, data, n, strategy):
+        """A round in one step (hypothesis makes many short examples)."""
+        for _ in range(n):
+            change = data.draw(st.sampled_from(sorted(CHANGES)), label="change")
+            getattr(self, change)(data, **{k: data.draw(v, label=k)
+                                           for k, v in CHANGES[change].items()})
+        self.merge(strategy)
+
+    @precondition(lambda self: self.changes >= 3)
+    @rule(strategy=strategies)
+    def merge(self, strategy):
+        b, s, t = self.base, self.side["br"], self.side["main"]
+        want, whole, refused = {}, {"s": [], "t": []}, False
+        for name in MERGE_NAMES:
+            r = merged_name(b.get(name), s.get(name), t.get(name), self.did["br"].get(name, set()),
+                            self.did["main"].get(name, set()), strategy)
+            if r[0] == "refused":
+                refused = True
+                continue
+            want[name] = r[1]
+            if r[1] is not None and r[2]:
+                whole[r[2]].append(name)
+        before = f"pre{self.branch}"  # main as it was: what the merge changed in it
+        assert self.ctl("snapshot_create", name=before, branch="main")["ok"]
+        args = {"source": self.branch, "into": "main"}
+        if strategy:
+            args["strategy"] = strategy
+        reply = self.ctl("merge", **args)
+        if refused:
+            assert not reply["ok"] and reply["errno"] == errno.EEXIST, \
+                f"{self.ex}: merge {strategy} should be refused: {reply}"
+            self.check("main")
+            assert self.ctl("snapshot_delete", name=before)["ok"]
+            return
+        assert reply["ok"], f"{self.ex}: merge {strategy}: {reply}"
+        self.side["main"] = {n: o.copy() for n, o in want.items() if o is not None}
+        self.check("main")
+        self.check("br")
+        # a file that comes whole from one side is that side's, times included
+        for side, tree in (("s", self.branch), ("t", before)):
+            d = self.ctl("diff", a=tree, b="main")["result"]
+            listed = set(d["added"]) | set(d["removed"]) | set(d["changed"])
+            shown = sorted(n for n in whole[side] if f"/{self.ex}/{n}" in listed)
+            assert not shown, f"{self.ex}: diff {tree} main lists files taken whole: {shown}"
+        assert self.ctl("snapshot_delete", name=before)["ok"]
+        assert self.ctl("branch_delete", name=self.branch)["ok"]
+        self.fork()  # the next round
+
+    def teardown(self):
+        # main's files, checked again after the test remounts the volume
+        os.makedirs(self.model_dir)
+        for name, o in self.side["main"].items():
+            if o is None:
+                continue
+            p = os.path.join(self.model_dir, name)
+            if o.target is not None:
+                os.symlink(o.target, p)
+            else:
+                with open(p, "wb") as f:
+                    f.write(o.data)
+                os.chmod(p, o.mode)
+        self.env.final[os.path.join(self.mp, self.ex)] = (self.model_dir, False)
+
+
+def test_merge_model(mnt, tmp_path):
+    run_model(MergeModel, mnt, tmp_path, max_examples=MERGE_EXAMPLES, stateful_step_count=50)

@@ -13,7 +13,8 @@ side changed since the fork, at file and directory level. A key changed on both 
 to different values is a conflict, except inode attributes changed apart (newest
 times; link counts and a directory's parent are recomputed from the merged entries).
 The merged namespace is then made whole (``_Merge``). Conflicts are listed by path and
-nothing changes unless a strategy (``theirs``/``ours``) says which side wins.
+nothing changes unless a strategy (``theirs``/``ours``) says which side wins; an inode
+in conflict then comes whole from that side (attributes, data, xattrs, symlink).
 """
 from __future__ import annotations
 

@@ -1,0 +1,215 @@
+"""Level 0: the floors of bmfs/ (docs/architecture.md) read from the code's own imports.
+
+Every ``import`` in every module of bmfs/ is read with ``ast``, those inside functions
+and under ``TYPE_CHECKING`` too (a lazy import is still a dependency). A module may
+import modules on its own floor or below; an import that runs back up, or an import
+cycle between modules, must be listed below with its reason. The lists may only
+shrink: a new one fails the test, and so does a listed one that no longer exists, so
+that whoever removes one also strikes it off.
+
+``python tests/test_t0_layers.py`` prints the counts (imports, imports that run back
+up, cycles) and each of them.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "bmfs"
+
+# Top to bottom. ``x.*`` is the package x and all below it, a bare name one module;
+# the longest pattern that matches a module places it.
+FLOORS = [
+    ("cli", ["bmfs", "bmfs.cli.*"]),  # bmfs itself: bmfs.mmap and friends, for programs
+    ("fuse", ["bmfs.fuse.*", "bmfs.typed.*"]),  # typed views work on a mounted path
+    ("volume", ["bmfs.cluster.*", "bmfs.vfs.volume", "bmfs.vfs.repair", "bmfs.vfs.status",
+                "bmfs.vfs.fsck"]),  # opening and administering a volume
+    ("vfs", ["bmfs.vfs.*"]),
+    ("meta/data", ["bmfs.meta.*", "bmfs.data.*"]),
+    ("kv/transport", ["bmfs.kv.*", "bmfs.transport.*"]),
+    ("node", ["bmfs.node.*"]),
+    ("store", ["bmfs.store.*"]),
+    ("leaves", ["bmfs.errors", "bmfs.config", "bmfs.proc", "bmfs.lru", "bmfs.wire.*",
+                "bmfs.format.*", "bmfs.data.native"]),
+]
+
+# (importer, imported): why it is there. Only ever shrinks.
+KNOWN_UPWARD = {
+    ("bmfs.config", "bmfs.meta.keys"):
+        "the default VolumeSettings.format is keys.FORMAT_REVISION",
+    ("bmfs.node.membership", "bmfs.meta.keys"):
+        "membership records are volume administration kept in node/",
+    ("bmfs.node.membership", "bmfs.transport"):
+        "membership stats a device over the transport (DeviceError)",
+    ("bmfs.node.membership", "bmfs.transport.tcp"):
+        "membership stats a device over the transport (stat_device)",
+    ("bmfs.node.membership", "bmfs.vfs.repair"):
+        "a returning node's devices are put back in service (change_device)",
+    ("bmfs.node.membership", "bmfs.vfs.volume"):
+        "a returning node's devices are looked up (device_records)",
+    ("bmfs.node.server", "bmfs.kv"):
+        "a node opens a KV to keep its membership record",
+    ("bmfs.store.pool", "bmfs.data.fragment"):
+        "the pool reads fragment headers; the fragment format lives in data/",
+    ("bmfs.vfs.control", "bmfs.vfs.repair"):
+        "the control file dispatches device administration",
+    ("bmfs.vfs.control", "bmfs.vfs.status"):
+        "the control file answers status",
+    ("bmfs.vfs.control", "bmfs.vfs.volume"):
+        "the control file lists device records",
+}
+
+# Sets of modules that import each other (strongly connected): why. Only ever shrinks.
+KNOWN_CYCLES = {
+    frozenset({"bmfs.cluster.etcd", "bmfs.cluster.local"}):
+        "etcd members are listed in local's cluster.json; local restarts them",
+    frozenset({"bmfs.kv.etcd", "bmfs.kv.etcd_compact"}):
+        "the compactor drives the engine's maintenance calls; the engine owns a compactor",
+    frozenset({"bmfs.store.pmem", "bmfs.store.pool"}):
+        "the pool index uses pmem's slot encoding; pmem opens and formats pools",
+    frozenset({"bmfs.typed.records", "bmfs.typed.typeattr", "bmfs.typed.views"}):
+        "record files set and check their type; views open record files",
+    frozenset({"bmfs.node.membership", "bmfs.vfs.control", "bmfs.vfs.files", "bmfs.vfs.fs",
+               "bmfs.vfs.held", "bmfs.vfs.repair", "bmfs.vfs.status", "bmfs.vfs.volume"}):
+        "Attr lives in fs.py; Files and Control call back into fs; the control file "
+        "dispatches administration, which reaches membership and back",
+}
+
+
+def modules() -> dict[str, tuple[pathlib.Path, bool]]:
+    """Dotted name -> (file, is a package's __init__) for every module of bmfs/."""
+    out = {}
+    for p in sorted(PACKAGE.rglob("*.py")):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts.pop()
+        out[".".join(parts)] = (p, is_pkg)
+    return out
+
+
+def imports(name: str, path: pathlib.Path, is_pkg: bool, known: set[str]) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports, anywhere in its code."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")[:len(name.split(".")) - node.level + is_pkg]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:  # `from pkg import mod` imports the module mod
+                out.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod)
+    return {m for m in out if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {n: imports(n, p, pkg, set(mods)) for n, (p, pkg) in mods.items()}
+
+
+def floor_of(name: str) -> int:
+    """The index (0 = top) of the floor of module ``name``; KeyError if none places it."""
+    best = None
+    for i, (_, patterns) in enumerate(FLOORS):
+        for pat in patterns:
+            hit = (name == pat[:-2] or name.startswith(pat[:-1])) if pat.endswith(".*") \
+                else name == pat
+            if hit and (best is None or len(pat) > best[0]):
+                best = (len(pat), i)
+    if best is None:
+        raise KeyError(name)
+    return best[1]
+
+
+def upward(g: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """The imports that run back up: to a module on a higher floor."""
+    return {(a, b) for a, deps in g.items() for b in deps if floor_of(b) < floor_of(a)}
+
+
+def cycles(g: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The strongly connected sets of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), set()
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                scc.add(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.add(frozenset(scc))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_module_has_a_floor():
+    assert [n for n in graph() if _unplaced(n)] == []
+
+
+def _unplaced(name: str) -> bool:
+    try:
+        floor_of(name)
+        return False
+    except KeyError:
+        return True
+
+
+def test_the_reader_sees_lazy_and_relative_imports():
+    g = graph()
+    assert "bmfs.vfs.gc" in g["bmfs.vfs.fs"]          # inside a method
+    assert "bmfs.meta.keys" in g["bmfs.vfs.volume"]   # `from ..meta import keys`
+    assert "bmfs.kv" in g["bmfs.vfs.volume"]          # `from ..kv import open_kv, seal`
+    assert "bmfs.kv.seal" in g["bmfs.vfs.volume"]
+
+
+def test_no_import_runs_back_up_but_the_known_ones():
+    found = upward(graph())
+    new = sorted(found - set(KNOWN_UPWARD))
+    gone = sorted(set(KNOWN_UPWARD) - found)
+    assert new == [], f"imports that run back up (floors: {[f for f, _ in FLOORS]}): {new}"
+    assert gone == [], f"no longer there: strike them off KNOWN_UPWARD: {gone}"
+
+
+def test_no_import_cycle_but_the_known_ones():
+    found = cycles(graph())
+    new = [sorted(c) for c in found - set(KNOWN_CYCLES)]
+    gone = [sorted(c) for c in set(KNOWN_CYCLES) - found]
+    assert new == [], f"new import cycles (or known ones that changed): {new}"
+    assert gone == [], f"no longer cycles as listed: update KNOWN_CYCLES: {gone}"
+
+
+def main() -> None:
+    g = graph()
+    up, cyc = sorted(upward(g)), sorted(sorted(c) for c in cycles(g))
+    print(f"{len(g)} modules, {sum(map(len, g.values()))} imports between them, "
+          f"{len(up)} run back up, {len(cyc)} cycles "
+          f"({sum(map(len, cyc))} modules in them)")
+    for a, b in up:
+        print(f"  up: {a} ({FLOORS[floor_of(a)][0]}) -> {b} ({FLOORS[floor_of(b)][0]})")
+    for c in cyc:
+        print(f"  cycle: {' '.join(c)}")
+
+
+if __name__ == "__main__":
+    main()

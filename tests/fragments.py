@@ -9,7 +9,7 @@ import os
 import struct
 
 from bmfs.data import fragment as fr
-from bmfs.store.pmem import SLOT_SIZE, unpack_slot
+from bmfs.store.slot import SLOT_SIZE, unpack_slot
 from bmfs.store.pool import SPACE_SHIFT, SPACES
 
 Fragment = collections.namedtuple("Fragment", "sid idx dev path offset length")

@@ -67,8 +67,6 @@ KNOWN_CYCLES = {
         "etcd members are listed in local's cluster.json; local restarts them",
     frozenset({"bmfs.kv.etcd", "bmfs.kv.etcd_compact"}):
         "the compactor drives the engine's maintenance calls; the engine owns a compactor",
-    frozenset({"bmfs.store.pmem", "bmfs.store.pool"}):
-        "the pool index uses pmem's slot encoding; pmem opens and formats pools",
     frozenset({"bmfs.typed.records", "bmfs.typed.typeattr", "bmfs.typed.views"}):
         "record files set and check their type; views open record files",
     frozenset({"bmfs.node.membership", "bmfs.vfs.control", "bmfs.vfs.files", "bmfs.vfs.fs",

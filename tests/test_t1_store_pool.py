@@ -15,7 +15,8 @@ import pytest
 from bmfs.data import fragment as fr
 from bmfs.errors import VolumeError
 from bmfs.store import pool as poolmod
-from bmfs.store.pmem import SLOT_SIZE, format_store, open_store, pack_slot
+from bmfs.store.pmem import format_store, open_store
+from bmfs.store.slot import SLOT_SIZE, pack_slot
 from bmfs.store.pool import PoolStore
 
 UUID = "vol-uuid"

@@ -15,10 +15,8 @@ offset             size        content
                                device id u32, pool size u64, slot count u32,
                                data start u64, volume uuid (36 ASCII), crc32c u32
                                of everything before it
-4096               64 x N      index slots: state u8 (1 = live), name length u8,
-                               reserved u16, name (28 bytes), data offset u64,
-                               length u64, crc32c u32 of the slot's first 48 bytes,
-                               12 reserved bytes
+4096               64 x N      index slots (``slot.py``: name, data offset, length,
+                               crc32c)
 4096 + 64 N        rest        data extents, 4 KiB aligned, placed first-fit
 =================  ==========  ================================================
 
@@ -40,31 +38,13 @@ from crc32c import crc32c
 
 from ..config import LAYOUTS  # noqa: F401 (of a device directory: pool.py, file.py)
 from ..errors import VolumeError
+from .slot import SLOT_SIZE, pack_slot, unpack_slot
 
 MAGIC = b"BMPMEM01"
 REVISION = 1
 SUPER = struct.Struct("<8sIIQIQ36s")
-SLOT = struct.Struct("<BBH28sQQI12x")
-SLOT_SIZE = 64
 ALIGN = 4096
 DEFAULT_SIZE = 1 << 30
-
-
-def pack_slot(name: str, off: int, length: int) -> bytes:
-    """A live index slot naming fragment ``name`` at ``off``, ``length`` bytes."""
-    raw_name = name.encode()
-    if len(raw_name) > 28:
-        raise ValueError(f"fragment name too long for a pool slot: {name}")
-    body = SLOT.pack(1, len(raw_name), 0, raw_name, off, length, 0)
-    return body[:48] + struct.pack("<I", crc32c(body[:48])) + body[52:]
-
-
-def unpack_slot(raw: bytes) -> tuple[str, int, int] | None:
-    """``(name, offset, length)`` of a live, intact slot; None for a free or torn one."""
-    state, nlen, _, name, off, length, crc = SLOT.unpack(raw)
-    if state == 1 and crc == crc32c(raw[:48]) and nlen <= 28:
-        return name[:nlen].decode(), off, length
-    return None
 
 
 def _libpmem():

@@ -19,7 +19,7 @@ Layout of the directory:
   writer of the device for up to 2 s). Freed extents are merged with their
   neighbours and used again, best fit first, so a rewrite lands on blocks already
   allocated.
-- ``index``: 64-byte slots, the encoding of the pmem pool's index (``pmem.py``):
+- ``index``: 64-byte slots, the encoding of the pmem pool's index (``slot.py``):
   state (1 = live), name, offset (its top bits: which file), length, crc32c of the
   slot. A fragment is written to its extent first, then its slot; a deleted
   fragment's slot is zeroed. At open the live slots are the whole truth: free space
@@ -50,7 +50,7 @@ import threading
 from ..data import fragment as fr
 from ..errors import VolumeError
 from . import file as _file
-from .pmem import SLOT_SIZE, pack_slot, unpack_slot
+from .slot import SLOT_SIZE, pack_slot, unpack_slot
 
 ALIGN = 4096
 GROW = 256 << 20  # the pool file is extended this much at a time

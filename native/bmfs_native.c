@@ -1,6 +1,6 @@
 /* bmfs._native: the data path's CPU-heavy loops in C, run without the GIL.
  *
- * Caveats first: this module is optional. bmfs/data/codec.py and bmfs/data/fragment.py
+ * Caveats first: this module is optional. bmfs/data/codec.py and bmfs/format/fragment.py
  * fall back to pyeclib and the crc32c package when it is missing (not built, or
  * BMFS_NATIVE=0), and tests/test_t0_native.py checks that both paths produce the same
  * bytes. It links ISA-L (Debian libisal-dev), the library pyeclib's isa_l_rs_vand

@@ -8,7 +8,7 @@ import collections
 import os
 import struct
 
-from bmfs.data import fragment as fr
+from bmfs.format import fragment as fr
 from bmfs.store.slot import SLOT_SIZE, unpack_slot
 from bmfs.store.pool import SPACE_SHIFT, SPACES
 
@@ -61,14 +61,14 @@ def flip(f: Fragment, at: int) -> None:
 
 
 def revision(f: Fragment) -> int:
-    """The fragment format revision its header says (data/fragment.py)."""
+    """The fragment format revision its header says (format/fragment.py)."""
     with open(f.path, "rb") as fh:
         fh.seek(f.offset + 4)
         return fh.read(1)[0]
 
 
 def payload_area(f: Fragment) -> tuple[int, int]:
-    """(start, length) of the fragment's payload, from its header (data/fragment.py)."""
+    """(start, length) of the fragment's payload, from its header (format/fragment.py)."""
     with open(f.path, "rb") as fh:
         fh.seek(f.offset)
         head = fh.read(32)

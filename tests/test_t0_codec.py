@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from bmfs.data import fragment as fr
+from bmfs.format import fragment as fr
 from bmfs.data.codec import LIB_HEADER, codec
 from bmfs.meta.records import (Inode, Slice, SliceMap, Stripe, compact, pack_slices,
                                 unpack_slices, visible)

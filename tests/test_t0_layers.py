@@ -51,8 +51,6 @@ KNOWN_UPWARD = {
         "a returning node's devices are looked up (device_records)",
     ("bmfs.node.server", "bmfs.kv"):
         "a node opens a KV to keep its membership record",
-    ("bmfs.store.pool", "bmfs.data.fragment"):
-        "the pool reads fragment headers; the fragment format lives in data/",
     ("bmfs.vfs.control", "bmfs.vfs.repair"):
         "the control file dispatches device administration",
     ("bmfs.vfs.control", "bmfs.vfs.status"):

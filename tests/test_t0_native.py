@@ -15,7 +15,7 @@ import pytest
 from crc32c import crc32c
 from pyeclib.ec_iface import ECDriver
 
-from bmfs.data import fragment as fr
+from bmfs.format import fragment as fr
 from bmfs.data.codec import EC_TYPE, LIB_HEADER, Codec
 from bmfs.data.native import NATIVE
 

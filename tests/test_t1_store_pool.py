@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from bmfs.data import fragment as fr
+from bmfs.format import fragment as fr
 from bmfs.errors import VolumeError
 from bmfs.store import pool as poolmod
 from bmfs.store.pmem import format_store, open_store

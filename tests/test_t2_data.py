@@ -402,7 +402,7 @@ BLOCK_DAMAGE = {
 def dead_offsets(damage, version, bs, k=4, m=2) -> set[int]:
     """Stripe offsets (4 KiB aligned) of the 4 KiB reads that ``damage`` leaves without
     their bytes: a block bad in its data fragment, in a row with fewer than k good."""
-    from bmfs.data import fragment as fr
+    from bmfs.format import fragment as fr
     geo = fr.geometry(version, bs + 80)
     rows: dict[int, set] = {}
     for i, how in damage:
@@ -421,7 +421,7 @@ def dead_offsets(damage, version, bs, k=4, m=2) -> set[int]:
 
 def damage_fragment(path, how, version):
     """Do ``how`` (see BLOCK_DAMAGE) to the fragment file at ``path``."""
-    from bmfs.data import fragment as fr
+    from bmfs.format import fragment as fr
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(32)
@@ -460,8 +460,9 @@ def test_bad_blocks_in_several_fragments_decode_row_by_row(tmp_path, monkeypatch
     from k fragments good there, whatever fragments the other bad blocks sit in; the
     damaged fragments are reported. Where some row does not, reads that need it fail
     with IOFailure, the others give the right bytes: never a wrong byte."""
-    from bmfs.data import client as client_mod, fragment as fr
+    from bmfs.data import client as client_mod
     from bmfs.data.codec import Codec
+    from bmfs.format import fragment as fr
     if not native:  # as with BMFS_NATIVE=0: pyeclib and Python checksums
         monkeypatch.setattr(client_mod, "NATIVE", None)
         monkeypatch.setattr(client_mod, "codec", lambda k, m: Codec(k, m, native=None))
@@ -535,6 +536,6 @@ def test_padding_and_overlong_fragments_are_damage(tmp_path):
             await client._read_fragment(6, st, 4)
         await client._read_fragment(6, st, 1)
 
-    from bmfs.data import fragment as fr
+    from bmfs.format import fragment as fr
     trio.run(main)
     assert {(i, why.split(":")[0]) for _, i, why in reported} == {(0, "corrupt"), (4, "corrupt")}

@@ -17,7 +17,7 @@ import trio
 
 from bmfs.data import client as client_mod
 from bmfs.data.client import DataClient
-from bmfs.data import fragment as fr
+from bmfs.format import fragment as fr
 from bmfs.data.codec import LIB_HEADER
 from bmfs.node.protocol import BlockingConnection, Connection, PREFIX
 from bmfs.node import protocol

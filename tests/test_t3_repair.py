@@ -56,7 +56,7 @@ def test_fragments_of_the_first_revision_still_read_and_repair(tmp_path, monkeyp
     files read back, small reads at every alignment too, damage to them is repaired
     as revision 1 (what their records say), and new files beside them are revision 2."""
     import random
-    from bmfs.data import fragment as fr
+    from bmfs.format import fragment as fr
     from bmfs.kv import prefix_end
     from bmfs.meta.records import Stripe
     from fragments import revision

@@ -24,7 +24,7 @@ from ..errors import IOFailure, NoSpace
 from ..lru import LRU
 from ..meta.records import EC, INLINE, NO_DEVICE, Stripe
 from ..transport import DeviceError, TooSlow, run_in_thread
-from . import fragment as fr
+from ..format import fragment as fr
 from .codec import LIB_HEADER, codec, stripe_bytes, stripe_length
 from .native import NATIVE
 from .placement import place_available

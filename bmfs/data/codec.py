@@ -19,9 +19,9 @@ import functools
 
 from pyeclib.ec_iface import ECDriver
 
+from ..format.fragment import LIB_HEADER
 from .native import NATIVE
 
-LIB_HEADER = 80  # liberasurecode's per-fragment header
 EC_TYPE = "isa_l_rs_vand"
 HEADER_CACHE = 1024  # stripe lengths whose liberasurecode headers are kept
 

@@ -201,7 +201,7 @@ class Stripe:
 
     ``frag_len`` is the length of each pyeclib fragment (its 80-byte header included);
     ``devices[i]`` holds fragment i (NO_DEVICE if it could not be stored);
-    ``frag_version`` is the revision of its fragment files (bmfs/data/fragment.py;
+    ``frag_version`` is the revision of its fragment files (bmfs/format/fragment.py;
     the record's fourth byte, 0 in records written before revision 2: revision 1).
     """
     kind: int

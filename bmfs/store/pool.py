@@ -47,7 +47,7 @@ import json
 import os
 import threading
 
-from ..data import fragment as fr
+from ..format import fragment as fr
 from ..errors import VolumeError
 from . import file as _file
 from .slot import SLOT_SIZE, pack_slot, unpack_slot

@@ -18,7 +18,7 @@ import json
 import stat
 from collections import Counter, defaultdict
 
-from ..data import fragment as fr
+from ..format import fragment as fr
 from ..errors import MetaDamaged
 from ..kv import seal
 from ..meta import keys

@@ -44,7 +44,7 @@ async def sweep_leaked(volume) -> int:
     then read which stripes the metadata owns; a stripe is dropped from "in flight"
     only after its record is committed, so nothing being written is taken for a leak.
     """
-    from ..data import fragment as fr
+    from ..format import fragment as fr
     from ..transport import DeviceError
     listed: dict[int, list[str]] = {}
     for dev in sorted(volume.device_paths):

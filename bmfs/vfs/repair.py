@@ -30,7 +30,7 @@ import weakref
 
 import trio
 
-from ..data import fragment as fr
+from ..format import fragment as fr
 from ..data.codec import codec
 from ..errors import Invalid, IOFailure, NoSpace, NotFound, VolumeError
 from ..meta import keys

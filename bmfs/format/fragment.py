@@ -47,9 +47,9 @@ import sys
 
 from crc32c import crc32c
 
-from .codec import LIB_HEADER
-from .native import NATIVE
+from ..data.native import NATIVE
 
+LIB_HEADER = 80  # liberasurecode's header, the start of each payload (data/codec.py)
 MAGIC = b"BMFR"
 VERSION = 2          # the revision written
 BLOCK = 4096

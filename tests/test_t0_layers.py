@@ -61,8 +61,6 @@ KNOWN_UPWARD = {
 
 # Sets of modules that import each other (strongly connected): why. Only ever shrinks.
 KNOWN_CYCLES = {
-    frozenset({"bmfs.cluster.etcd", "bmfs.cluster.local"}):
-        "etcd members are listed in local's cluster.json; local restarts them",
     frozenset({"bmfs.kv.etcd", "bmfs.kv.etcd_compact"}):
         "the compactor drives the engine's maintenance calls; the engine owns a compactor",
     frozenset({"bmfs.typed.records", "bmfs.typed.typeattr", "bmfs.typed.views"}):

@@ -45,7 +45,7 @@ import urllib.request
 from ..errors import VolumeError
 from ..proc import alive
 from .certs import make_ca_and_certs
-from .local import free_ports  # noqa: F401  (also used by tests/etcd_cluster.py)
+from .directory import free_ports, read_info, write_info
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 MAX_TXN_OPS = 10000
@@ -414,9 +414,8 @@ def restart_for_cluster(directory: str, members: list[dict], timeout: float = 20
 def record_in_cluster(directory: str) -> None:
     """List the members started by :func:`start_for_cluster` in DIR/cluster.json
     (``etcd``: name, pid, client and peer address, data directory, log)."""
-    from . import local
     with open(os.path.join(directory, "etcd", MEMBERS_FILE)) as f:
         members = json.load(f)["members"]
-    info = local.read_info(directory)
+    info = read_info(directory)
     info["etcd"] = members
-    local.write_info(directory, info)
+    write_info(directory, info)

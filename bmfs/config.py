@@ -5,7 +5,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, fields
 
-from .meta.keys import FORMAT_REVISION
+from .format.revision import FORMAT_REVISION
 
 LAYOUTS = ("pool", "files")  # of a device directory: store/pool.py, store/file.py
 DEFAULT_LAYOUT = os.environ.get("BMFS_LAYOUT", "files")  # mkfs's, unless --layout

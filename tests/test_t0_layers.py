@@ -37,8 +37,6 @@ FLOORS = [
 
 # (importer, imported): why it is there. Only ever shrinks.
 KNOWN_UPWARD = {
-    ("bmfs.config", "bmfs.meta.keys"):
-        "the default VolumeSettings.format is keys.FORMAT_REVISION",
     ("bmfs.node.membership", "bmfs.meta.keys"):
         "membership records are volume administration kept in node/",
     ("bmfs.node.membership", "bmfs.transport"):

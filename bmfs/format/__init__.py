@@ -1,2 +1,3 @@
-"""On-device formats that every floor shares: leaves, importing nothing of bmfs above
-them (the data client writes fragments; stores, nodes, fsck and repair read them)."""
+"""On-disk formats that several floors share, as leaves that import nothing of bmfs
+above them: fragment.py (the data client writes fragments; stores, nodes, fsck and
+repair read them), revision.py (the volume format revision: mkfs, config, meta)."""

@@ -40,18 +40,9 @@ m/<mount id>                           JSON record of a running mount (host, pid
                                        vanishes within seconds of the mount's death
 =====================================  ===============================================
 """
-# The volume format revision mkfs writes (v/settings), and those this bmfs opens:
-#   1  the first;
-#   2  stripe records may name fragments of revision 2 (their fourth byte, see
-#      bmfs/data/fragment.py), which bmfs of revision 1 would take for corrupt (and,
-#      rewriting such a record, reset to 1, which makes the stripe unreadable).
-#   3  every value carries a checksum of its key and itself (bmfs/kv/seal.py), which
-#      bmfs of revisions 1 and 2 would take for part of the value.
-# Opening an older volume for writing (a mount, repair, fsck --repair) upgrades it to 3
-# first (vfs/volume.py), so older bmfs refuses it from then on.
-FORMAT_REVISION = 3
-OPENS_REVISIONS = (1, 2, 3)
-SEALED_REVISION = 3  # the first revision whose values carry checksums
+# the revision of this keyspace, and those opened (keys.FORMAT_REVISION to the vfs)
+from ..format.revision import FORMAT_REVISION, OPENS_REVISIONS, SEALED_REVISION  # noqa: F401
+
 CHUNK_SIZE = 64 << 20
 LIVE = b"\x01"
 TOMBSTONE = b"\x00"

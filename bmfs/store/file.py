@@ -234,7 +234,7 @@ class FileStore:
         return self._frags
 
     def _file(self, name: str) -> str:
-        sid_hex = name.split(".", 1)[0]  # (os.path.join took ~1 us a read, ~5 cold)
+        sid_hex = name.split(".", 1)[0]  # (an f-string: os.path.join is slower per read)
         return f"{self._frags}{sid_hex[-2:]}/{name}"
 
     def _create(self, name: str, flags: int = os.O_WRONLY) -> int:

@@ -2,7 +2,7 @@
 (format 2, ``bmfs mkfs --layout pool``; docs/formats.md).
 
 A directory of fragment files (``file.py``) makes the device's filesystem create,
-allocate and journal a file per fragment; on this VM's disk that wrote ~1.3x slower
+allocate and journal a file per fragment; on this VM's disk that writes ~1.3x slower
 than writing the same bytes into one new file, and ~3x slower than rewriting blocks
 written before (docs/benchmarks.md). A pool keeps fragments as extents of a file and
 reuses freed extents, as 3FS's chunk engine and Ceph's BlueStore do on a raw device.
@@ -15,8 +15,8 @@ Layout of the directory:
   device's next data fragment, which a sequential reader wants, and not parity.
   Extents start on 4 KiB boundaries and take whole 4 KiB pages. A file's length
   grows by ``GROW`` bytes at a time (``ftruncate``: blocks are allocated as fragments
-  are written; ``posix_fallocate`` of 256 MiB under the allocation lock stalled every
-  writer of the device for up to 2 s). Freed extents are merged with their
+  are written; ``posix_fallocate`` of 256 MiB under the allocation lock would stall
+  every writer of the device for seconds). Freed extents are merged with their
   neighbours and used again, best fit first, so a rewrite lands on blocks already
   allocated.
 - ``index``: 64-byte slots, the encoding of the pmem pool's index (``pmem.py``):
@@ -415,8 +415,8 @@ class PoolStore:
     def read_parts(self, name: str, ranges) -> list[bytes]:
         """Small reads use one descriptor that asks for no read-ahead (a 4 KiB read
         reads 4 KiB); large ones, sequential readers', open their own, whose
-        read-ahead state no other reader disturbs (on one shared descriptor, 1 GiB
-        read cold went from ~700 to ~420 MB/s). Read-ahead running past a fragment
+        read-ahead state no other reader disturbs (on one shared descriptor their
+        read-ahead mixes, and a cold sequential read loses about a third). Read-ahead running past a fragment
         finds the device's next data fragment, which such a reader wants soon:
         parity fragments live in a file of their own."""
         epoch, sp, base, length = self._begin_read(name)

@@ -28,8 +28,8 @@ def alive(pid: int) -> bool:
     alone: a multi-threaded process's main thread turns zombie first, and its other
     threads, until they have exited too, still hold its files open. A storage node
     killed this way keeps accepting connections on its port for a few milliseconds
-    after its main thread is a zombie: long enough for `bmfs cluster start --node` to take the old
-    node's listening socket for the new one's."""
+    after its main thread is a zombie: long enough for `bmfs cluster start --node`
+    to take the old node's listening socket for the new one's."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]

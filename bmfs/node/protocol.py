@@ -229,9 +229,9 @@ class Connection(_Framing):
         reply is due soon and nothing else is under way. A thread that sleeps lets the
         virtual machine's CPUs halt, and waking one costs far more than the wait: a
         loopback round trip with both sides asleep between messages takes several
-        times one with a side spinning (docs/benchmarks.md). Other tasks run meanwhile; cancellation and ``deadline``
-        (a hedged read's) are seen at each round: past the deadline it stops, and
-        _wait raises."""
+        times one with a side spinning (docs/architecture.md). Other tasks run
+        meanwhile; cancellation and ``deadline`` (a hedged read's) are seen at each
+        round: past the deadline it stops, and _wait raises."""
         end = min(trio.current_time() + self.spin, self.deadline)
         self.spin = 0.0
         recv = self.sock.recv_into

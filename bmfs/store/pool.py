@@ -4,7 +4,7 @@
 A directory of fragment files (``file.py``) makes the device's filesystem create,
 allocate and journal a file per fragment; on this VM's disk that writes ~1.3x slower
 than writing the same bytes into one new file, and ~3x slower than rewriting blocks
-written before (docs/benchmarks.md). A pool keeps fragments as extents of a file and
+written before (docs/architecture.md). A pool keeps fragments as extents of a file and
 reuses freed extents, as 3FS's chunk engine and Ceph's BlueStore do on a raw device.
 
 Layout of the directory:
@@ -416,8 +416,9 @@ class PoolStore:
         """Small reads use one descriptor that asks for no read-ahead (a 4 KiB read
         reads 4 KiB); large ones, sequential readers', open their own, whose
         read-ahead state no other reader disturbs (on one shared descriptor their
-        read-ahead mixes, and a cold sequential read loses about a third). Read-ahead running past a fragment
-        finds the device's next data fragment, which such a reader wants soon:
+        read-ahead mixes, and a cold sequential read loses about a third).
+        Read-ahead running past a fragment finds the device's next data fragment,
+        which such a reader wants soon:
         parity fragments live in a file of their own."""
         epoch, sp, base, length = self._begin_read(name)
         large = sum(n for _, n in ranges) >= _file.DROP_BEHIND

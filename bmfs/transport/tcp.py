@@ -292,12 +292,12 @@ class TcpTransport:
 
         A degraded small read asks k nodes at once. As k tasks each sleeping on its
         socket it costs markedly more time and client CPU than from one task
-        (docs/benchmarks.md): the replies that came meanwhile are taken without a
-        sleep and a wake-up each, and a small one not there yet is spun for when
-        nothing else is under way (Connection._spin_loop). Connections are opened one after another: nodes
-        that drop connects (not refuse them) cost CONNECT_TIMEOUT each, once (then
-        they are down). Only the first reply's round trip goes into its node's
-        latency: the later ones' include the wait for those before them.
+        (docs/benchmarks.md): the replies that came meanwhile are taken without a sleep
+        and a wake-up each, and a small one not there yet is spun for when nothing else
+        is under way (Connection._spin_loop). Connections are opened one after another:
+        nodes that drop connects (not refuse them) cost CONNECT_TIMEOUT each, once (then
+        they are down). Only the first reply's round trip goes into its node's latency:
+        the later ones' include the wait for those before them.
 
         Small reads with nothing else under way, where the Python path would spin
         for their replies, are sent and taken in C where a pooled connection is idle

@@ -304,7 +304,10 @@ def test_planted_links_are_not_written_through(public, tmp_path):
         with open(f"{m.mp}/file", "rb") as f:
             assert f.read() == data
     assert (target.read_bytes(), os.stat(target).st_mtime_ns) == before
-    assert all(os.path.islink(p) for p in links)
+    # each link is still there, or was removed (unlink takes the link, not its target:
+    # a failed stripe's fragments are deleted on every device) and made afresh
+    for p in links:
+        assert os.path.islink(p) or not os.path.exists(p) or os.stat(p).st_nlink == 1
     dev0 = [d for d in st["devices"] if d.get("id", d.get("device")) == 0]
     assert dev0 and dev0[0].get("unexpected_entries", 0) >= 1, st["devices"]
     with open(f"{vol}/mount.log") as f:
@@ -339,3 +342,43 @@ def test_device_paths_refused(public, tmp_path):
         r = bmfs("mkfs", tmp_path / "v3", *args, f"{m.mp}/inside", "--device",
                  tmp_path / "d3", check=False)
         assert r.returncode == 2 and "inside the bmfs mount" in r.stderr
+
+
+def test_devices_of_another_user_are_refused(public):
+    """A device directory another user owns is theirs to rearrange: refused when added,
+    and a pool file they put in place of the volume's is never opened (it would take
+    the volume's data, root's 0600 files included, where they read it)."""
+    theirs = f"{public}/theirs"
+    os.mkdir(theirs)
+    os.chown(theirs, 65534, 65534)
+    r = bmfs("mkfs", f"{public}/v1", "--ec", "1+1", "--device", theirs, "--device",
+             f"{public}/d1", check=False)
+    assert r.returncode == 2 and "belongs to uid 65534" in r.stderr and \
+        r.stderr.count("\n") == 1, r.stderr
+    assert os.listdir(theirs) == []
+    vol = f"{public}/vol"
+    devs = [f"{public}/e{i}" for i in range(4)]
+    mkfs(vol, "--ec", "2+1", "--layout", "pool", *[a for d in devs for a in ("--device", d)])
+    with Mounted(vol, f"{public}/mnt") as m:
+        r = bmfs("node", "add", theirs, "-m", m.mp, check=False)
+        assert r.returncode == 2 and "belongs to uid 65534" in r.stderr, r.stderr
+        assert os.listdir(theirs) == []
+    # device 0's directory is given away (an older bmfs let it be added); its new owner
+    # swaps the pool files for files of their own
+    os.chown(devs[0], 65534, 65534)
+    r = as_nobody("sh", "-c", "cd $0 && for f in pool parity; do mv $f $f.old && : > $f "
+                  "&& chmod 666 $f; done", devs[0])
+    assert r.returncode == 0, r.stderr
+    with Mounted(vol, f"{public}/mnt") as m:
+        with open(f"{m.mp}/secret", "wb") as f:
+            f.write(b"ROOTSECRET" * (1 << 18))
+            os.fsync(f.fileno())
+        os.chmod(f"{m.mp}/secret", 0o600)
+        st = json.loads(bmfs("status", m.mp, "--json").stdout)
+        dev0 = [d for d in st["devices"] if d.get("id", d.get("device")) == 0][0]
+        assert dev0.get("health") != "ok", dev0
+    for f in ("pool", "parity"):
+        r = as_nobody("grep", "-c", "ROOTSECRET", f"{devs[0]}/{f}")
+        assert r.stdout.strip() == "0", (f, r.stdout)
+    with open(f"{vol}/mount.log") as f:
+        assert "is not a file of bmfs's (owner uid 65534" in f.read()

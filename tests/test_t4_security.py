@@ -382,3 +382,47 @@ def test_devices_of_another_user_are_refused(public):
         assert r.stdout.strip() == "0", (f, r.stdout)
     with open(f"{vol}/mount.log") as f:
         assert "is not a file of bmfs's (owner uid 65534" in f.read()
+
+
+_SWAPPER = """
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+d, link = sys.argv[1].encode(), sys.argv[2].encode()
+fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+print("ready", flush=True)
+end = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < end:  # the directory loose again, then swapped with the link
+    os.fchmod(fd, 0o755)
+    libc.renameat2(-100, d, -100, link, 2)  # (AT_FDCWD, RENAME_EXCHANGE)
+"""
+
+
+def test_tightening_changes_no_file_through_a_swapped_link(public):
+    """Tightening a device another user can replace (its directory is theirs: a device
+    of an older volume, say) never chmods what a link put in its place names: nobody
+    swaps the device directory with a link to a root file as fast as it can while the
+    volume's devices are tightened again and again."""
+    from bmfs.store.pmem import tighten_device
+    theirs = f"{public}/theirs"
+    os.mkdir(theirs)
+    os.chown(theirs, 65534, 65534)
+    victim = f"{public}/victim"
+    with open(victim, "w") as f:
+        f.write("root's, 0644\n")
+    os.chmod(victim, 0o644)
+    dev, alt = f"{theirs}/dev", f"{theirs}/alt"
+    assert as_nobody("sh", "-c", f"mkdir -m 755 {dev} && ln -s {victim} {alt}").returncode == 0
+    swapper = subprocess.Popen(NOBODY + [sys.executable, "-c", _SWAPPER, dev, alt, "60"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert swapper.stdout.readline() == "ready\n"
+        tightened = 0
+        for _ in range(3000):
+            changed = []
+            tighten_device(dev, changed)
+            tightened += bool(changed)
+            assert _mode(victim) == 0o644
+        assert tightened  # (the directory itself was tightened whenever it was there)
+    finally:
+        swapper.kill()
+        swapper.wait()

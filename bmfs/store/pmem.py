@@ -453,14 +453,21 @@ def format_if_new(path: str, volume_uuid: str, dev: int, layout: str = "files") 
 def make_private(path: str, mode: int, changed: list[str]) -> None:
     """Take group and other bits off ``path`` (to ``mode``: 0700 or 0600) if it has
     any; a link or a missing path is left alone. What changed is added to
-    ``changed``."""
+    ``changed``. The mode is changed through a descriptor opened without following a
+    link: a path checked, then changed by name, could be swapped for a link in between
+    by whoever may write its directory (root would chmod the file it names)."""
     try:
-        st = os.lstat(path)
-    except OSError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # missing, a link (ELOOP), or not ours to open
         return
-    if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
-        return
-    os.chmod(path, mode)
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)) or \
+                not st.st_mode & 0o077:
+            return
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
     changed.append(path)
 
 

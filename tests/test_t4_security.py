@@ -426,3 +426,23 @@ def test_tightening_changes_no_file_through_a_swapped_link(public):
     finally:
         swapper.kill()
         swapper.wait()
+
+
+def test_volume_dirs_planted_by_others_are_refused(public):
+    """In a directory everyone may write (a sticky /var/tmp), nobody plants a link
+    where root is about to make a volume or a cluster (or makes the directory first):
+    mkfs and cluster up refuse in one line and make nothing, here or where the link
+    points (its owner could point it at a volume of their own later)."""
+    os.chmod(public, 0o1777)
+    os.mkdir(f"{public}/roots")
+    assert as_nobody("ln", "-s", f"{public}/roots", f"{public}/planted").returncode == 0
+    assert as_nobody("mkdir", f"{public}/theirs").returncode == 0
+    for args, says in ((["mkfs", f"{public}/planted"], "is a symbolic link"),
+                       (["mkfs", f"{public}/theirs"], "belongs to uid 65534"),
+                       (["cluster", "up", f"{public}/planted", "--meta", "etcd"],
+                        "is a symbolic link"),
+                       (["cluster", "up", f"{public}/theirs"], "belongs to uid 65534")):
+        r = bmfs(*args, check=False)
+        assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, \
+            (args, r.stderr)
+    assert os.listdir(f"{public}/roots") == [] and os.listdir(f"{public}/theirs") == []

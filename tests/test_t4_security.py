@@ -397,11 +397,15 @@ while time.monotonic() < end:  # the directory loose again, then swapped with th
 """
 
 
-def test_tightening_changes_no_file_through_a_swapped_link(public):
+@pytest.mark.parametrize("how", ["tighten", "format"])
+def test_tightening_changes_no_file_through_a_swapped_link(public, how):
     """Tightening a device another user can replace (its directory is theirs: a device
-    of an older volume, say) never chmods what a link put in its place names: nobody
-    swaps the device directory with a link to a root file as fast as it can while the
-    volume's devices are tightened again and again."""
+    of an older volume, say), or making a device directory (or a volume's) where they
+    may write, never chmods what a link put in its place names: nobody swaps the
+    directory with a link to a root file as fast as it can while it is tightened (or
+    made) again and again."""
+    from bmfs.errors import VolumeError
+    from bmfs.store.file import make_private_dir
     from bmfs.store.pmem import tighten_device
     theirs = f"{public}/theirs"
     os.mkdir(theirs)
@@ -417,9 +421,16 @@ def test_tightening_changes_no_file_through_a_swapped_link(public):
     try:
         assert swapper.stdout.readline() == "ready\n"
         tightened = 0
-        for _ in range(3000):
+        for _ in range(20000):
             changed = []
-            tighten_device(dev, changed)
+            if how == "tighten":
+                tighten_device(dev, changed)
+            else:
+                try:
+                    make_private_dir(dev)
+                    changed.append(dev)
+                except (VolumeError, FileExistsError):  # (the link's turn)
+                    pass
             tightened += bool(changed)
             assert _mode(victim) == 0o644
         assert tightened  # (the directory itself was tightened whenever it was there)

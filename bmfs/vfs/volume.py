@@ -22,6 +22,7 @@ from ..kv import open_kv, seal
 from ..meta import keys
 from ..meta.namespace import ROOT
 from ..meta.records import Inode
+from ..store.file import make_private_dir
 from ..store.pmem import (LAYOUTS, check_device_path, format_store, make_private,
                           make_private_folder, open_store, tighten_device)
 from ..transport.local import LocalTransport
@@ -154,8 +155,7 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
     for d in devices or ():
         _check_new_device(d, path)
     check_new_volume_dir(path)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)  # (everything in it is then out of others' reach)
+    make_private_dir(path)  # (everything in it is then out of others' reach)
     if on_nodes:
         devices = []
     else:

@@ -457,3 +457,20 @@ def test_volume_dirs_planted_by_others_are_refused(public):
         assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, \
             (args, r.stderr)
     assert os.listdir(f"{public}/roots") == [] and os.listdir(f"{public}/theirs") == []
+
+
+@pytest.mark.parametrize("name", ["m.db", "m.db-wal", "m.db-redo", "m.db.lock"])
+def test_metadata_files_planted_as_links_are_refused(public, name):
+    """A SQLite metadata database in a directory others write (`--meta
+    sqlite:/shared/m.db`): a link nobody planted where one of its files goes is
+    refused in one line; the file it names is neither written nor emptied."""
+    os.chmod(public, 0o1777)
+    victim = f"{public}/victim"
+    with open(victim, "w") as f:
+        f.write("root's own\n")
+    assert as_nobody("ln", "-s", victim, f"{public}/{name}").returncode == 0
+    r = bmfs("mkfs", f"{public}/vol", "--meta", f"sqlite:{public}/m.db", check=False)
+    assert r.returncode == 2 and "is a symbolic link" in r.stderr and \
+        r.stderr.count("\n") == 1, r.stderr
+    with open(victim) as f:
+        assert f.read() == "root's own\n"

@@ -50,7 +50,7 @@ import threading
 from ..data import fragment as fr
 from ..errors import VolumeError
 from . import file as _file
-from .pmem import SLOT_SIZE, pack_slot, unpack_slot
+from .pmem import SLOT_SIZE, check_own_file, pack_slot, unpack_slot
 
 ALIGN = 4096
 GROW = 256 << 20  # the pool file is extended this much at a time
@@ -82,6 +82,9 @@ class _Space:
                 if e.errno != errno.EINVAL:  # tmpfs refuses O_DIRECT: buffered then
                     raise
         self.rfd = os.open(name, os.O_RDONLY | _NOLINK, dir_fd=dir_fd)  # small reads, no read-ahead
+        for fd in (self.fd, self.dfd, self.rfd):  # (a file put in its place by another
+            if fd is not None:  # user, who owns the directory, must not get our data)
+                check_own_file(fd, path)
         try:
             os.posix_fadvise(self.rfd, 0, 0, os.POSIX_FADV_RANDOM)
         except OSError:
@@ -170,6 +173,7 @@ class PoolStore:
             dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 self._ifd = os.open("index", os.O_RDWR | _NOLINK, dir_fd=dfd)
+                check_own_file(self._ifd, os.path.join(path, "index"))
                 self._spaces = [_Space(self, i, os.path.join(path, name), dfd)
                                 for i, name in enumerate(SPACES)]
             finally:

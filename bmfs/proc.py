@@ -27,9 +27,9 @@ def alive(pid: int) -> bool:
     never reap it, e.g. in containers whose init does not) counts as gone once it is
     alone: a multi-threaded process's main thread turns zombie first, and its other
     threads, until they have exited too, still hold its files open. A storage node
-    killed this way kept accepting connections on its port for ~6 ms after its main
-    thread was a zombie: long enough for `bmfs cluster start --node` to take the old
-    node's listening socket for the new one's."""
+    killed this way keeps accepting connections on its port for a few milliseconds
+    after its main thread is a zombie: long enough for `bmfs cluster start --node`
+    to take the old node's listening socket for the new one's."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]

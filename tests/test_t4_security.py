@@ -320,7 +320,10 @@ def test_planted_links_are_not_written_through(public, tmp_path):
         with open(f"{m.mp}/file", "rb") as f:
             assert f.read() == data
     assert (target.read_bytes(), os.stat(target).st_mtime_ns) == before
-    assert all(os.path.islink(p) for p in links)
+    # each link is still there, or was removed (unlink takes the link, not its target:
+    # a failed stripe's fragments are deleted on every device) and made afresh
+    for p in links:
+        assert os.path.islink(p) or not os.path.exists(p) or os.stat(p).st_nlink == 1
     dev0 = [d for d in st["devices"] if d.get("id", d.get("device")) == 0]
     assert dev0 and dev0[0].get("unexpected_entries", 0) >= 1, st["devices"]
     with open(f"{vol}/mount.log") as f:
@@ -374,3 +377,135 @@ def test_admin_group_setting_offline(public):
     with Mounted(vol, f"{public}/mnt") as m:
         assert bmfs("admin-group", "-m", m.mp).stdout == f"admin group: {g.gr_name}\n"
         assert os.stat(f"{m.mp}/.bm/ctl").st_gid == g.gr_gid
+
+
+def test_devices_of_another_user_are_refused(public):
+    """A device directory another user owns is theirs to rearrange: refused when added,
+    and a pool file they put in place of the volume's is never opened (it would take
+    the volume's data, root's 0600 files included, where they read it)."""
+    theirs = f"{public}/theirs"
+    os.mkdir(theirs)
+    os.chown(theirs, 65534, 65534)
+    r = bmfs("mkfs", f"{public}/v1", "--ec", "1+1", "--device", theirs, "--device",
+             f"{public}/d1", check=False)
+    assert r.returncode == 2 and "belongs to uid 65534" in r.stderr and \
+        r.stderr.count("\n") == 1, r.stderr
+    assert os.listdir(theirs) == []
+    vol = f"{public}/vol"
+    devs = [f"{public}/e{i}" for i in range(4)]
+    mkfs(vol, "--ec", "2+1", "--layout", "pool", *[a for d in devs for a in ("--device", d)])
+    with Mounted(vol, f"{public}/mnt") as m:
+        r = bmfs("node", "add", theirs, "-m", m.mp, check=False)
+        assert r.returncode == 2 and "belongs to uid 65534" in r.stderr, r.stderr
+        assert os.listdir(theirs) == []
+    # device 0's directory is given away (an older bmfs let it be added); its new owner
+    # swaps the pool files for files of their own
+    os.chown(devs[0], 65534, 65534)
+    r = as_nobody("sh", "-c", "cd $0 && for f in pool parity; do mv $f $f.old && : > $f "
+                  "&& chmod 666 $f; done", devs[0])
+    assert r.returncode == 0, r.stderr
+    with Mounted(vol, f"{public}/mnt") as m:
+        with open(f"{m.mp}/secret", "wb") as f:
+            f.write(b"ROOTSECRET" * (1 << 18))
+            os.fsync(f.fileno())
+        os.chmod(f"{m.mp}/secret", 0o600)
+        st = json.loads(bmfs("status", m.mp, "--json").stdout)
+        dev0 = [d for d in st["devices"] if d.get("id", d.get("device")) == 0][0]
+        assert dev0.get("health") != "ok", dev0
+    for f in ("pool", "parity"):
+        r = as_nobody("grep", "-c", "ROOTSECRET", f"{devs[0]}/{f}")
+        assert r.stdout.strip() == "0", (f, r.stdout)
+    with open(f"{vol}/mount.log") as f:
+        assert "is not a file of bmfs's (owner uid 65534" in f.read()
+
+
+_SWAPPER = """
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+d, link = sys.argv[1].encode(), sys.argv[2].encode()
+fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+print("ready", flush=True)
+end = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < end:  # the directory loose again, then swapped with the link
+    os.fchmod(fd, 0o755)
+    libc.renameat2(-100, d, -100, link, 2)  # (AT_FDCWD, RENAME_EXCHANGE)
+"""
+
+
+@pytest.mark.parametrize("how", ["tighten", "format"])
+def test_tightening_changes_no_file_through_a_swapped_link(public, how):
+    """Tightening a device another user can replace (its directory is theirs: a device
+    of an older volume, say), or making a device directory (or a volume's) where they
+    may write, never chmods what a link put in its place names: nobody swaps the
+    directory with a link to a root file as fast as it can while it is tightened (or
+    made) again and again."""
+    from bmfs.errors import VolumeError
+    from bmfs.store.file import make_private_dir
+    from bmfs.store.pmem import tighten_device
+    theirs = f"{public}/theirs"
+    os.mkdir(theirs)
+    os.chown(theirs, 65534, 65534)
+    victim = f"{public}/victim"
+    with open(victim, "w") as f:
+        f.write("root's, 0644\n")
+    os.chmod(victim, 0o644)
+    dev, alt = f"{theirs}/dev", f"{theirs}/alt"
+    assert as_nobody("sh", "-c", f"mkdir -m 755 {dev} && ln -s {victim} {alt}").returncode == 0
+    swapper = subprocess.Popen(NOBODY + [sys.executable, "-c", _SWAPPER, dev, alt, "60"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert swapper.stdout.readline() == "ready\n"
+        tightened = 0
+        for _ in range(20000):
+            changed = []
+            if how == "tighten":
+                tighten_device(dev, changed)
+            else:
+                try:
+                    make_private_dir(dev)
+                    changed.append(dev)
+                except (VolumeError, FileExistsError):  # (the link's turn)
+                    pass
+            tightened += bool(changed)
+            assert _mode(victim) == 0o644
+        assert tightened  # (the directory itself was tightened whenever it was there)
+    finally:
+        swapper.kill()
+        swapper.wait()
+
+
+def test_volume_dirs_planted_by_others_are_refused(public):
+    """In a directory everyone may write (a sticky /var/tmp), nobody plants a link
+    where root is about to make a volume or a cluster (or makes the directory first):
+    mkfs and cluster up refuse in one line and make nothing, here or where the link
+    points (its owner could point it at a volume of their own later)."""
+    os.chmod(public, 0o1777)
+    os.mkdir(f"{public}/roots")
+    assert as_nobody("ln", "-s", f"{public}/roots", f"{public}/planted").returncode == 0
+    assert as_nobody("mkdir", f"{public}/theirs").returncode == 0
+    for args, says in ((["mkfs", f"{public}/planted"], "is a symbolic link"),
+                       (["mkfs", f"{public}/theirs"], "belongs to uid 65534"),
+                       (["cluster", "up", f"{public}/planted", "--meta", "etcd"],
+                        "is a symbolic link"),
+                       (["cluster", "up", f"{public}/theirs"], "belongs to uid 65534")):
+        r = bmfs(*args, check=False)
+        assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, \
+            (args, r.stderr)
+    assert os.listdir(f"{public}/roots") == [] and os.listdir(f"{public}/theirs") == []
+
+
+@pytest.mark.parametrize("name", ["m.db", "m.db-wal", "m.db-redo", "m.db.lock"])
+def test_metadata_files_planted_as_links_are_refused(public, name):
+    """A SQLite metadata database in a directory others write (`--meta
+    sqlite:/shared/m.db`): a link nobody planted where one of its files goes is
+    refused in one line; the file it names is neither written nor emptied."""
+    os.chmod(public, 0o1777)
+    victim = f"{public}/victim"
+    with open(victim, "w") as f:
+        f.write("root's own\n")
+    assert as_nobody("ln", "-s", victim, f"{public}/{name}").returncode == 0
+    r = bmfs("mkfs", f"{public}/vol", "--meta", f"sqlite:{public}/m.db", check=False)
+    assert r.returncode == 2 and "is a symbolic link" in r.stderr and \
+        r.stderr.count("\n") == 1, r.stderr
+    with open(victim) as f:
+        assert f.read() == "root's own\n"

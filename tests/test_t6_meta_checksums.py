@@ -17,7 +17,6 @@ import sqlite3
 
 import pytest
 
-from bmfs.cluster.etcd import _post
 from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
 from mountutil import Mounted, assert_fsck_clean, bmfs, fsck, is_mounted, mkfs
 from oldformat import etcd_to_previous_format, stored_format, to_previous_format
@@ -218,14 +217,14 @@ def test_flipped_value_in_etcd_is_eio_and_fsck_names_it(etcd_cluster, tmp_path):
     mkfs(vol, "--meta", etcd_cluster.url)
     with Mounted(vol, mp):
         _fill(mp)
-    ep = etcd_cluster.endpoints[0]
+    ep = 0  # (the first member, through the cluster's credentials)
     every = base64.b64encode(b"\0").decode()
-    kvs = _post(ep, "/v3/kv/range", {"key": every, "range_end": every}).get("kvs", [])
+    kvs = etcd_cluster.post(ep, "/v3/kv/range", {"key": every, "range_end": every}).get("kvs", [])
     rows = {base64.b64decode(r["key"]): base64.b64decode(r.get("value", "")) for r in kvs}
 
     def put(k, v):
-        _post(ep, "/v3/kv/put", {"key": base64.b64encode(k).decode(),
-                                 "value": base64.b64encode(v).decode()})
+        etcd_cluster.post(ep, "/v3/kv/put", {"key": base64.b64encode(k).decode(),
+                                             "value": base64.b64encode(v).decode()})
     key = next(k for k, v in rows.items() if b"text file" in v)
     put(key, _flip_in(rows[key], b"text file", b"text File"))
     dkey = next(k for k in rows if k.startswith(b"d/") and b"/f08@" in k)
@@ -282,7 +281,7 @@ def test_previous_format_on_etcd_is_upgraded_by_mount(etcd_cluster, tmp_path):
     with Mounted(vol, mp):
         _fill(mp)
         (mp / "big").write_bytes(big)
-    assert etcd_to_previous_format(etcd_cluster.endpoints[0], 2) > 60
+    assert etcd_to_previous_format(etcd_cluster, 2) > 60
     res = fsck(vol)
     assert res.returncode == 0 and "carry no checksums" in res.stdout, res.stdout
     with Mounted(vol, mp):

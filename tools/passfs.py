@@ -9,7 +9,7 @@ dict of inodes, nothing persistent), and each regular file's bytes are one file
 ``DATA/<inode>`` on the disk, read and written with pread/pwrite, fsync'ed on fsync.
 No erasure coding, checksums, metadata store or placement: where bmfs is behind
 passfs, that is the cost of those. Not a strict ceiling: bmfs reads a large file from
-four fragment files at once, passfs from one (bmfs read 1.6x its rate on 2026-11-24).
+four fragment files at once, passfs from one (so bmfs can read faster than passfs).
 
 Like bmfs, small reads (up to 64 KiB) are done on the event loop and larger I/O in
 worker threads (12 at most), so concurrent large requests overlap.

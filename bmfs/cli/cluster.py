@@ -39,7 +39,9 @@ def add_parser(sub):
 
 def run_up(args) -> int:
     from ..cluster import local
+    from ..vfs.volume import check_new_volume_dir
     k, m = parse_ec(args.ec)
+    check_new_volume_dir(args.dir)  # (before etcd's files are made in it)
     meta = None
     if args.meta == "etcd":
         from ..cluster import etcd  # started beside the nodes; listed in cluster.json

@@ -10,7 +10,7 @@ from .main import UserError
 def run_trio(fn, *args):
     """``trio.run(fn, *args)``, trio imported only here: the commands that talk to a
     running mount (branch, snapshot, type, status of a mount...) start without it
-    (~0.2 s of a ~0.45 s start on these machines)."""
+    (importing trio is a large part of a command's start)."""
     import trio
     return trio.run(fn, *args)
 

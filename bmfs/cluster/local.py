@@ -68,9 +68,10 @@ def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None,
     ``d{i % domains}`` (placement spreads a stripe's fragments over domains first).
     With ``tls``, node connections are TLS with certificates of a CA made in DIR/tls
     (certs.py), named in volume.json's tls section for mounts."""
-    from ..vfs.volume import mkfs
+    from ..vfs.volume import check_new_volume_dir, mkfs
     if os.path.exists(os.path.join(directory, CLUSTER_FILE)):
         raise VolumeError(f"{directory} already holds a cluster (bmfs cluster down first)")
+    check_new_volume_dir(directory)
     if nodes < k + m:
         raise VolumeError(f"--ec {k}+{m} needs at least {k + m} nodes, {nodes} given")
     os.makedirs(directory, exist_ok=True)

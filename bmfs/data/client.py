@@ -309,7 +309,7 @@ class DataClient:
         two tasks, cancellation) on every read, while the decode is needed rarely. The
         usual read of one fragment is not put in a cancel scope either: the transport
         checks its deadline only if it has to wait (TooSlow): a cancel scope around
-        the read cost ~45 us of a node round trip here (Connection._wait).
+        the read is a large share of a node round trip (Connection._wait).
         """
         failed = False
         try:

@@ -25,8 +25,8 @@ The revisions differ in where the payload's blocks lie:
   from payload offset 80 + (j-1)S, and D + 80 is a multiple of 4096. So the stripe's
   data (payload offset 80 on) starts on a page of the file and each block is one
   page of it: a 4 KiB read at a 4 KiB offset of a file is one page of one fragment
-  and one checksum block. In revision 1 it straddled two blocks (8 KiB over three
-  pages, read cold: median 79 against 47 us here, 14 against 6 KiB off the disk).
+  and one checksum block. In revision 1 it straddles two blocks (8 KiB over three
+  pages, and more than twice the bytes off the disk when read cold).
   It costs up to 4 KiB of zeros per fragment (~0.3% of a 1 MiB one).
 
 A stripe record names the revision of its fragments (``Stripe.frag_version``;

@@ -1,4 +1,6 @@
-"""pyfuse3 Operations: unpack arguments, call the vfs, translate errors. Nothing else.
+"""pyfuse3 Operations: unpack arguments, call the vfs, translate errors; and the
+KernelNotifier, which tells the kernel to drop what it cached when a tree changes under
+it and counts the inodes the kernel holds (the vfs's close-to-open bookkeeping).
 
 Caveats: pyfuse3 lets handlers raise only FUSEError, so every FsError becomes one and
 anything unexpected is logged and reported as EIO (never a crash of the daemon).

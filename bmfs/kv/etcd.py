@@ -35,12 +35,11 @@ tasks), backing off once it has tried every endpoint, and raises Unavailable aft
 ``timeout`` (10 s) naming the endpoints and their last errors. Reads are linearizable
 (etcd's default), so a follower never answers with stale data.
 
-Measured here (etcd 3.4.23, 3 members on loopback, default heartbeat 100 ms / election
-1000 ms, 4 tasks of ``transact`` increments, leader SIGKILLed, about 20 runs): no commit
-completed for 1.0 to 1.7 s typically, 2.4 s at worst (when every task was waiting on a
-proposal lost with the leader, so only ``request_timeout`` freed them); no acknowledged
-increment was lost. A watch on a member cut off from the quorum ends after about 4 s
-(etcd checks ``hasleader`` once per election timeout and gives up after three).
+A leader's loss stalls commits for about an election, longer when every task waits on
+a proposal lost with the leader (only ``request_timeout`` frees them); no acknowledged
+commit is lost (docs/architecture.md has the measured stall). A watch on a member cut
+off from the quorum ends after about three election timeouts (etcd checks
+``hasleader`` once per election timeout and gives up after three).
 
 Deployment needs: etcd's ``--max-txn-ops`` (default 128) bounds the operations of one
 transaction (compares and puts, plus one for the request id) and ``--max-request-bytes``

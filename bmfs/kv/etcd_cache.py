@@ -1,9 +1,9 @@
 """A read cache for the etcd engine, kept current by one watch of the whole keyspace.
 
-Why: every etcd read is a network round trip (~1-3 ms through the JSON gateway here),
-and a create looked up the same few keys (branch record, parent inode, the name) again
-and again. With the cache, reads inside a transaction are answered locally when the
-key is cached; the commit compares every revision read, exactly as before, so a stale
+Why: every etcd read is a network round trip (through the JSON gateway), and a create
+looks up the same few keys (branch record, parent inode, the name) again and again.
+With the cache, reads inside a transaction are answered locally when the key is
+cached; the commit compares every revision read, as without the cache, so a stale
 entry can only make a commit conflict (the engine then drops the entries that
 transaction read and the retry reads them afresh). Nothing is ever committed on the
 strength of a stale read.

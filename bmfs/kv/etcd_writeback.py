@@ -1,7 +1,7 @@
 """Write-behind for the etcd engine: one client at a time commits asynchronously.
 
-Why: an etcd transaction costs ~5 ms here (JSON gateway, Raft, fsync on a quorum), so
-a mount that waits for one per create makes at most ~100 files a second. CephFS's
+Why: an etcd transaction costs milliseconds (JSON gateway, Raft, fsync on a quorum),
+so a mount that waits for one per create is bound by that latency, not by its CPU. CephFS's
 asynchronous directory operations answer the same problem with capabilities; this is
 the simplest form of that idea: a volume-wide **write-behind token**.
 
@@ -41,7 +41,7 @@ every file closed here. If the holder is dead, its lease ends the token within 5
 
 Consequences (documented in docs/etcd.md): reads on other clients see the holder's
 changes once committed (milliseconds behind); the first change another client makes
-after the holder was active waits for the recall (one queue flush, ~10-30 ms); if the
+after the holder was active waits for the recall (one queue flush); if the
 holder is killed (kill -9, power loss) the changes still queued are lost (at most a
 few milliseconds of operations: they were never fsync'ed), as a local filesystem loses
 un-fsync'ed metadata in a crash. If the holder loses its lease (cut off from etcd for

@@ -110,6 +110,30 @@ def _holds(keys: list[bytes], key: bytes) -> bool:
     return i < len(keys) and keys[i] == key
 
 
+def _open_own(path: str, flags: int) -> int:
+    """``path`` opened (made 0600 with O_CREAT) without following a link, and only if
+    it is a file of ours: the database may sit in a directory others write, where a
+    link planted in advance would have the redo log written (and emptied) through it.
+
+    Raises:
+        VolumeError: a link, or not a plain file of ours.
+    """
+    from ..store.pmem import check_own_file
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:  # (ELOOP; EACCES when the link is another's in a sticky directory)
+        if os.path.islink(path):
+            raise VolumeError(f"{path} is a symbolic link: the metadata database's files "
+                              f"are not written through one") from None
+        raise
+    try:
+        check_own_file(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class SqliteKV(KV):
     single_writer = True  # one process owns the database (lock file)
 
@@ -132,7 +156,7 @@ class SqliteKV(KV):
         self._complete: dict[bytes, list[bytes]] = {}
         self._complete_lengths: set[int] = set()
         self._complete_count = 0  # keys in the lists
-        self._log = os.open(path + "-redo", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        self._log = _open_own(path + "-redo", os.O_RDWR | os.O_CREAT | os.O_APPEND)
         self._log_size = 0
 
     @classmethod
@@ -142,7 +166,11 @@ class SqliteKV(KV):
             path = path[2:]
         if not path:
             raise ValueError("sqlite: URL needs a path, e.g. sqlite:/var/lib/bmfs/meta.db")
-        lockfd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        for name in (path, path + "-wal", path + "-shm"):  # (SQLite's follow links)
+            if os.path.islink(name):
+                raise VolumeError(f"{name} is a symbolic link: the metadata database "
+                                  f"and its files are not written through one")
+        lockfd = _open_own(path + ".lock", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -190,7 +218,7 @@ class SqliteKV(KV):
 
     def _replay(self) -> None:
         """Apply the redo log left by the last owner (it crashed, or lost power)."""
-        with open(self._path + "-redo", "rb") as f:
+        with os.fdopen(_open_own(self._path + "-redo", os.O_RDONLY), "rb") as f:
             buf = f.read()
         for rev, entries in _records(buf):
             for key, value in entries:

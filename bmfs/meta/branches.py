@@ -37,9 +37,9 @@ from .records import Inode, unpack_dentry, unpack_slices
 log = logging.getLogger(__name__)
 # keys a page of the layer collection reads (collect_layers, prune_shadowed). It runs in
 # a mount's background beside its requests, and a local engine (SQLite) reads on the
-# event loop: it yields after each page (~4 ms at this size), and a request, which
-# waits at each of its own steps, waits for a page per step (at 10,000 keys a page,
-# ~40 ms, an open during a pass took up to ~0.5-0.9 s)
+# event loop: it yields after each page, and a request, which waits at each of its
+# own steps, waits for a page per step; a page ten times this size makes an open
+# during a pass wait visibly (docs/branches.md has the figures)
 GC_PAGE = 1000
 TOUCHED = "_touched"  # result key: (branch, SUBs whose visible value changed); not sent
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}$")

@@ -32,9 +32,20 @@ d/<parent ino:016x>/<name>@L           directory entry: child ino and type
 c/<ino:016x>/<chunk index:010x>@L      slice list of one 64 MiB chunk (records.Slices)
 x/<ino:016x>/<xattr name>@L            extended attribute value
 l/<ino:016x>@L                         symlink target
-o/<layer:08x>/<ino:016x>               inode unlinked while open: the id of the mount
-                                       holding it (freed on release, or by another
-                                       mount once no m/ key of that id is left)
+o/<layer:08x>/<ino:016x>               inode whose last name went while it may be
+                                       open: the ids of the mounts holding it, comma-
+                                       separated (freed on the last release, or once no
+                                       m/ key of those ids is left); on etcd volumes
+                                       with BMFS_ORPHAN_GRACE set (opt-in), also
+                                       "?<mount id>": unclaimed, freed by a sweep after
+                                       the grace unless a mount that holds it open
+                                       claims it (vfs/files.py, docs/etcd.md). A
+                                       record whose layer was frozen since (a
+                                       snapshot or branch taken) stays when the
+                                       mounted tree frees its copy: it goes with
+                                       the layer (branches.collect_layers), or with
+                                       the inode's version once no tree can see it
+                                       (branches.prune_shadowed)
 m/<mount id>                           JSON record of a running mount (host, pid,
                                        mount point), attached to an etcd lease: it
                                        vanishes within seconds of the mount's death

@@ -214,8 +214,8 @@ class Connection(_Framing):
     async def _wait(self, wait) -> None:
         """``wait(sock)`` (trio's wait_readable or wait_writable); past ``deadline``,
         trio.TooSlowError. The deadline scope is entered only here, when the
-        connection has to sleep: a cancel scope around every request added ~45 us to
-        a ~70 us round trip to a node here (awaits inside a scope cost more)."""
+        connection has to sleep: awaits inside a cancel scope cost more in trio, and a
+        scope around every request is a large share of a small read's round trip."""
         if self.deadline == math.inf:
             await wait(self.sock)
             return
@@ -227,12 +227,11 @@ class Connection(_Framing):
         to receive, let the event loop run a round (its other tasks, and epoll with no
         timeout), again; None if nothing came. The caller sets ``spin`` when a short
         reply is due soon and nothing else is under way. A thread that sleeps lets the
-        virtual machine's CPUs halt, and waking one costs far more than the wait: on
-        the VMs measured here a loopback TCP ping-pong took ~110 us a round trip with
-        both sides asleep between messages, ~31 us with one side spinning
-        (docs/benchmarks.md). Other tasks run meanwhile; cancellation and ``deadline``
-        (a hedged read's) are seen at each round: past the deadline it stops, and
-        _wait raises."""
+        virtual machine's CPUs halt, and waking one costs far more than the wait: a
+        loopback round trip with both sides asleep between messages takes several
+        times one with a side spinning (docs/architecture.md). Other tasks run
+        meanwhile; cancellation and ``deadline`` (a hedged read's) are seen at each
+        round: past the deadline it stops, and _wait raises."""
         end = min(trio.current_time() + self.spin, self.deadline)
         self.spin = 0.0
         recv = self.sock.recv_into
@@ -315,9 +314,9 @@ def read_spun(requests, spin: float, watch_fd: int = -1) -> list:
     request's id, its device, the fragment name as bytes, (offset, length) pairs),
     all sent, then their replies received for up to ``spin`` seconds (no later than
     the connections' ``deadline``) in C (CLIENT.read_all), with neither the GIL nor
-    the event loop: ~10 us a try in Connection._spin_loop (a scheduler round and an
-    exception) against well under 1 us, and no Python from the requests' building to
-    the replies' taking. The event loop waits meanwhile, so the spin ends early once
+    the event loop: a try costs a recv, where Connection._spin_loop's costs a
+    scheduler round and an exception, and no Python runs from the requests' building
+    to the replies' taking. The event loop waits meanwhile, so the spin ends early once
     ``watch_fd`` (the FUSE device) has a request.
 
     For each request: (parts, status, unsent, seconds). ``parts``: the reply's
@@ -434,7 +433,8 @@ class BlockingConnection(_Framing):
             self._advance(frame, self.sock.sendmsg(frame))
 
     def _send_files(self, message, parts) -> None:
-        # no MSG_MORE on the header: corked, it held sendfile's data back (~200 ms)
+        # no MSG_MORE on the header: corked, it holds sendfile's data back until the
+        # kernel's cork timer fires
         head = message.SerializeToString()
         self.sock.sendall(PREFIX.pack(len(head), sum(len(p) for p in parts)) + head)
         for p in parts:

@@ -39,7 +39,7 @@ from .protocol import (ALIGNED, READ_AHEAD, BlockingConnection, Connection, File
 from .tls import wrap
 
 log = logging.getLogger(__name__)
-Req = pb.Request  # its enum values as class attributes: pb.Request.Op.X costs ~1 us a lookup
+Req = pb.Request  # its enum values as class attributes: pb.Request.Op.X looks up more
 # small READs of fragment files served in C (native/node_reads.c), or None: all in Python
 READS = optional("bmfs.node._native")
 MAX_CONNECTIONS = 256     # served at once (a thread each): see _make_room
@@ -296,7 +296,7 @@ class NodeServer:
         """Serve one authenticated connection until it closes, or is silent for
         ``idle_timeout`` (in its own thread).
         Small READs of fragment files are served by the C path when it is built
-        (native/node_reads.c: ~25 us of CPU where Python took ~110); it leaves every
+        (native/node_reads.c: a fraction of the Python path's CPU); it leaves every
         other frame to the Python path as it was received."""
         with self._served_lock:
             self._served.add(conn)
@@ -394,7 +394,7 @@ class NodeServer:
                 self._warm_queue = queue.Queue(WARM_QUEUED)
                 threading.Thread(target=self._warm, name="warm", daemon=True).start()
         # by a thread of its own: the kernel starts the fragment's read inside the
-        # call (~0.3 ms at p90 here), which held up this connection's next request
+        # call, which would hold up this connection's next request
         try:
             self._warm_queue.put_nowait(key)
         except queue.Full:  # the device is behind: this one stays cold

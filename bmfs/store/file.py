@@ -154,11 +154,20 @@ def write_new_file(dir_fd: int, name: str, data: bytes) -> None:
 
 def make_private_dir(path: str) -> None:
     """``path`` and missing parents made; ``path`` itself mode 0700 (whatever the umask,
-    and if it was there already: it is bmfs's)."""
+    and if it was there already: it is bmfs's). The mode is set through a descriptor
+    opened without following a link: a link put there meanwhile is refused, never
+    followed."""
     os.makedirs(path, mode=0o700, exist_ok=True)
-    if stat.S_ISLNK(os.lstat(path).st_mode):
-        raise VolumeError(f"{path} is a symbolic link, not a directory")
-    os.chmod(path, 0o700)
+    try:
+        fd = os.open(path, _DIR)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise VolumeError(f"{path} is a symbolic link, not a directory") from None
+        raise
+    try:
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
 
 
 def check_marker(path: str, volume_uuid: str, dev: int, fmt: int) -> dict:
@@ -234,7 +243,7 @@ class FileStore:
         return self._frags
 
     def _file(self, name: str) -> str:
-        sid_hex = name.split(".", 1)[0]  # (os.path.join took ~1 us a read, ~5 cold)
+        sid_hex = name.split(".", 1)[0]  # (an f-string: os.path.join is slower per read)
         return f"{self._frags}{sid_hex[-2:]}/{name}"
 
     def _create(self, name: str, flags: int = os.O_WRONLY) -> int:

@@ -94,6 +94,7 @@ class PmemStore:
         else:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
+                check_own_file(fd, path)
                 self._map = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
@@ -343,10 +344,20 @@ def lock_device(path: str, wait: float = 5.0) -> int:
         raise
 
 
+def check_own_file(fd: int, path: str) -> None:
+    """VolumeError unless ``fd`` (a store's file, opened) is a regular file of ours with
+    no other name: one put in its place by another user (who owns the directory, say)
+    must not receive the volume's data."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        raise VolumeError(f"{path} is not a file of bmfs's (owner uid {st.st_uid}, "
+                          f"{st.st_nlink} links): not used")
+
+
 def check_device_path(path: str) -> None:
     """VolumeError (one line) unless ``path`` may become a device: a directory (or, for
-    ``pmem:FILE``, a file) that is not a symbolic link, not the directory of a bmfs
-    volume, and not inside a bmfs mount (the mount would store its fragments in
+    ``pmem:FILE``, a file) that is not a symbolic link, not another user's, not the
+    directory of a bmfs volume, and not inside a bmfs mount (the mount would store its fragments in
     itself). What is not there yet is checked where it would be made."""
     file = path[5:].partition(":")[0] if path.startswith("pmem:") else None
     target = os.path.abspath(file or path)
@@ -366,6 +377,9 @@ def check_device_path(path: str) -> None:
         if file is None and os.path.lexists(os.path.join(target, "volume.json")):
             raise VolumeError(f"{target} is the directory of a bmfs volume: a device "
                               f"needs a directory of its own")
+        if st.st_uid != os.geteuid():  # (its owner could swap what we make in it)
+            raise VolumeError(f"{target} belongs to uid {st.st_uid}: a device must be "
+                              f"owned by the user that serves it (uid {os.geteuid()})")
     mount = _bmfs_mount_holding(target)
     if mount is not None:
         raise VolumeError(f"{target} is inside the bmfs mount {mount}: a device must be "
@@ -419,14 +433,21 @@ def format_if_new(path: str, volume_uuid: str, dev: int, layout: str = "files") 
 def make_private(path: str, mode: int, changed: list[str]) -> None:
     """Take group and other bits off ``path`` (to ``mode``: 0700 or 0600) if it has
     any; a link or a missing path is left alone. What changed is added to
-    ``changed``."""
+    ``changed``. The mode is changed through a descriptor opened without following a
+    link: a path checked, then changed by name, could be swapped for a link in between
+    by whoever may write its directory (root would chmod the file it names)."""
     try:
-        st = os.lstat(path)
-    except OSError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # missing, a link (ELOOP), or not ours to open
         return
-    if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
-        return
-    os.chmod(path, mode)
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)) or \
+                not st.st_mode & 0o077:
+            return
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
     changed.append(path)
 
 

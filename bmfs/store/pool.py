@@ -2,9 +2,9 @@
 (format 2, ``bmfs mkfs --layout pool``; docs/formats.md).
 
 A directory of fragment files (``file.py``) makes the device's filesystem create,
-allocate and journal a file per fragment; on this VM's disk that wrote ~1.3x slower
+allocate and journal a file per fragment; on this VM's disk that writes ~1.3x slower
 than writing the same bytes into one new file, and ~3x slower than rewriting blocks
-written before (docs/benchmarks.md). A pool keeps fragments as extents of a file and
+written before (docs/architecture.md). A pool keeps fragments as extents of a file and
 reuses freed extents, as 3FS's chunk engine and Ceph's BlueStore do on a raw device.
 
 Layout of the directory:
@@ -15,8 +15,8 @@ Layout of the directory:
   device's next data fragment, which a sequential reader wants, and not parity.
   Extents start on 4 KiB boundaries and take whole 4 KiB pages. A file's length
   grows by ``GROW`` bytes at a time (``ftruncate``: blocks are allocated as fragments
-  are written; ``posix_fallocate`` of 256 MiB under the allocation lock stalled every
-  writer of the device for up to 2 s). Freed extents are merged with their
+  are written; ``posix_fallocate`` of 256 MiB under the allocation lock would stall
+  every writer of the device for seconds). Freed extents are merged with their
   neighbours and used again, best fit first, so a rewrite lands on blocks already
   allocated.
 - ``index``: 64-byte slots, the encoding of the pmem pool's index (``slot.py``):
@@ -50,6 +50,7 @@ import threading
 from ..format import fragment as fr
 from ..errors import VolumeError
 from . import file as _file
+from .pmem import check_own_file
 from .slot import SLOT_SIZE, pack_slot, unpack_slot
 
 ALIGN = 4096
@@ -82,6 +83,9 @@ class _Space:
                 if e.errno != errno.EINVAL:  # tmpfs refuses O_DIRECT: buffered then
                     raise
         self.rfd = os.open(name, os.O_RDONLY | _NOLINK, dir_fd=dir_fd)  # small reads, no read-ahead
+        for fd in (self.fd, self.dfd, self.rfd):  # (a file put in its place by another
+            if fd is not None:  # user, who owns the directory, must not get our data)
+                check_own_file(fd, path)
         try:
             os.posix_fadvise(self.rfd, 0, 0, os.POSIX_FADV_RANDOM)
         except OSError:
@@ -170,6 +174,7 @@ class PoolStore:
             dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 self._ifd = os.open("index", os.O_RDWR | _NOLINK, dir_fd=dfd)
+                check_own_file(self._ifd, os.path.join(path, "index"))
                 self._spaces = [_Space(self, i, os.path.join(path, name), dfd)
                                 for i, name in enumerate(SPACES)]
             finally:
@@ -415,9 +420,10 @@ class PoolStore:
     def read_parts(self, name: str, ranges) -> list[bytes]:
         """Small reads use one descriptor that asks for no read-ahead (a 4 KiB read
         reads 4 KiB); large ones, sequential readers', open their own, whose
-        read-ahead state no other reader disturbs (on one shared descriptor, 1 GiB
-        read cold went from ~700 to ~420 MB/s). Read-ahead running past a fragment
-        finds the device's next data fragment, which such a reader wants soon:
+        read-ahead state no other reader disturbs (on one shared descriptor their
+        read-ahead mixes, and a cold sequential read loses about a third).
+        Read-ahead running past a fragment finds the device's next data fragment,
+        which such a reader wants soon:
         parity fragments live in a file of their own."""
         epoch, sp, base, length = self._begin_read(name)
         large = sum(n for _, n in ranges) >= _file.DROP_BEHIND

@@ -3,8 +3,8 @@
 Fragment I/O is blocking file I/O, so it runs off the event loop; the limiter keeps
 the number of threads bounded. Buffers are handed over without copies.
 
-Small reads are the exception (see ``read``): a worker thread costs about 100 us
-here (two wake-ups and the GIL passed back and forth), more than reading a few KiB
+Small reads are the exception (see ``read``): a worker thread costs two wake-ups
+and the GIL passed back and forth, more than reading a few KiB
 from an NVMe device, so a small read is done on the event loop itself, as s3ql reads
 its cache files; concurrent small reads too, one after the other (4 random readers:
 +10-48% against sending them to threads while others waited).
@@ -14,8 +14,8 @@ Two kinds of device are read otherwise:
   than a thread hop): reads one after the other would keep its queue at depth one,
   so while other requests wait (queued on the FUSE device, or reads in threads)
   its reads go to threads; a lone request is still read inline, the thread hop
-  being a quarter of such a read (cold random reads on this VM's disk, ~200-300 us:
-  +12-30% inline);
+  being a large share of such a read (cold random reads measured faster inline on
+  a slow disk);
 - a *stalled* one, of which one read took over ``STALL``: read from threads for a
   while, twice as long each time it stalls again. The risk taken: while one inline
   read waits for a device, the whole mount waits; a device that stalls is found out

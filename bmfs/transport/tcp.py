@@ -28,7 +28,7 @@ from ..wire import node_pb2 as pb
 from . import DeviceError, TooSlow
 
 log = logging.getLogger(__name__)
-Req = pb.Request  # its enum values as class attributes: pb.Request.Op.X costs ~1 us a lookup
+Req = pb.Request  # its enum values as class attributes: pb.Request.Op.X looks up more
 DOWN_FOR = 2.0        # seconds a failed node is skipped before it is tried again
 LATE_DOWN = 3         # callers' deadlines missed in a row that mark a node down too
 CONNECT_TIMEOUT = 2.0
@@ -291,14 +291,13 @@ class TcpTransport:
         DeviceError, TooSlow or exception of ``check`` that the read failed with.
 
         A degraded small read asks k nodes at once. As k tasks each sleeping on its
-        socket, four warm 4 KiB reads of four nodes took ~670-730 us and ~580 us of
-        the client's CPU here; this way ~410-440 us and ~320 us (docs/benchmarks.md):
-        the replies that came meanwhile are taken without a sleep and a wake-up each,
-        and a small one not there yet is spun for when nothing else is under way
-        (Connection._spin_loop). Connections are opened one after another: nodes
-        that drop connects (not refuse them) cost CONNECT_TIMEOUT each, once (then
-        they are down). Only the first reply's round trip goes into its node's
-        latency: the later ones' include the wait for those before them.
+        socket it costs markedly more time and client CPU than from one task
+        (docs/benchmarks.md): the replies that came meanwhile are taken without a sleep
+        and a wake-up each, and a small one not there yet is spun for when nothing else
+        is under way (Connection._spin_loop). Connections are opened one after another:
+        nodes that drop connects (not refuse them) cost CONNECT_TIMEOUT each, once (then
+        they are down). Only the first reply's round trip goes into its node's latency:
+        the later ones' include the wait for those before them.
 
         Small reads with nothing else under way, where the Python path would spin
         for their replies, are sent and taken in C where a pooled connection is idle

@@ -7,8 +7,8 @@ only. Which is better depends on whether the file stays in the page cache:
 
 - it fits (the usual dataset of a few GiB read epoch after epoch): reading around
   caches the whole file after about one fault per MiB, and every later access hits.
-  A shuffled pass over all 50,000 records of a 103 MB record file took 0.45 s with
-  the kernel's default and 7.6 s with MADV_RANDOM (docs/typed.md).
+  A shuffled pass over a record file that fits is ~15x slower with MADV_RANDOM
+  than with the kernel's default (docs/typed.md).
 - it does not (a corpus larger than memory, read at random): nearly every access
   misses either way, and reading around reads ~1 MiB for each record wanted
   (256 times a 4 KiB page). A few accesses of a large file behave alike: 2,000

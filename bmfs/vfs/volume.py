@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import time
 import uuid as uuidlib
 
@@ -21,6 +22,7 @@ from ..kv import open_kv, seal
 from ..meta import keys
 from ..meta.namespace import ROOT
 from ..meta.records import Inode
+from ..store.file import make_private_dir
 from ..store.pmem import (LAYOUTS, check_device_path, format_store, make_private,
                           make_private_folder, open_store, tighten_device)
 from ..transport.local import LocalTransport
@@ -152,8 +154,8 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
         raise VolumeError(f"--ec {k}+{m} needs at least {k + m} devices, {len(devices)} given")
     for d in devices or ():
         _check_new_device(d, path)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)  # (everything in it is then out of others' reach)
+    check_new_volume_dir(path)
+    make_private_dir(path)  # (everything in it is then out of others' reach)
     if on_nodes:
         devices = []
     else:
@@ -199,6 +201,22 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
     # program calling this may have another)
     tighten(path, {"meta": meta}, {i: {"path": d} for i, d in enumerate(devices)})
     return settings
+
+
+def check_new_volume_dir(path: str) -> None:
+    """VolumeError unless ``path`` may become a volume directory: not a symbolic link
+    (one planted in a shared directory would lead mkfs where its owner chose, and the
+    owner could point it elsewhere later), not another user's directory."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise VolumeError(f"{path} is a symbolic link: give the path it names "
+                          f"({os.path.realpath(path)})")
+    if st.st_uid != os.geteuid():
+        raise VolumeError(f"{path} belongs to uid {st.st_uid}: a volume directory must be "
+                          f"owned by the user that makes it (uid {os.geteuid()})")
 
 
 def _check_new_device(d: str, volume: str) -> None:

@@ -59,8 +59,6 @@ KNOWN_UPWARD = {
 
 # Sets of modules that import each other (strongly connected): why. Only ever shrinks.
 KNOWN_CYCLES = {
-    frozenset({"bmfs.store.pmem", "bmfs.store.pool"}):
-        "pool.py takes check_own_file from pmem.py, which opens and formats pools",
     frozenset({"bmfs.kv.etcd", "bmfs.kv.etcd_compact"}):
         "the compactor drives the engine's maintenance calls; the engine owns a compactor",
     frozenset({"bmfs.typed.records", "bmfs.typed.typeattr", "bmfs.typed.views"}):

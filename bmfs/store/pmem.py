@@ -38,6 +38,7 @@ from crc32c import crc32c
 
 from ..config import LAYOUTS  # noqa: F401 (of a device directory: pool.py, file.py)
 from ..errors import VolumeError
+from .file import check_own_file
 from .slot import SLOT_SIZE, pack_slot, unpack_slot
 
 MAGIC = b"BMPMEM01"
@@ -342,16 +343,6 @@ def lock_device(path: str, wait: float = 5.0) -> int:
     except BaseException:
         os.close(fd)
         raise
-
-
-def check_own_file(fd: int, path: str) -> None:
-    """VolumeError unless ``fd`` (a store's file, opened) is a regular file of ours with
-    no other name: one put in its place by another user (who owns the directory, say)
-    must not receive the volume's data."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
-        raise VolumeError(f"{path} is not a file of bmfs's (owner uid {st.st_uid}, "
-                          f"{st.st_nlink} links): not used")
 
 
 def check_device_path(path: str) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ..errors import Access, FsError, Invalid, NotFound, NotDir
 from ..meta import branches, keys
+from .attr import Attr
 from .views import (CTL_BRANCHES, CTL_FILE, CTL_ROOT, CTL_SNAPSHOTS, VIEW_SHIFT)
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,6 @@ class Control:
         self.admin_gid = self._resolve(self._group)
 
     def getattr(self, fino: int):
-        from .fs import Attr
         t = self._t
         if fino == CTL_FILE:
             # anyone may open it to ask; what a request may do is checked per request
@@ -184,7 +184,6 @@ class Control:
         raise NotDir()
 
     async def readdir(self, fino: int):
-        from .fs import Attr
         if fino == CTL_ROOT:
             return [(b"branches", self.getattr(CTL_BRANCHES)),
                     (b"ctl", self.getattr(CTL_FILE)),

@@ -36,6 +36,7 @@ from ..meta import branches, keys
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
 from ..meta.records import Inode, Slice, SliceMap, compact
+from .attr import attr_of
 from .views import INO_MASK, VIEW_SHIFT
 
 log = logging.getLogger(__name__)
@@ -900,8 +901,7 @@ class Files:
         while (i := await self.fs.mutate(view, fn)) is None:
             pass
         self.client_moved(view, ino, before, i)
-        from .fs import _attr
-        return _attr(self.fs.join(view, ino), i)
+        return attr_of(self.fs.join(view, ino), i)
 
     # -- reading ----------------------------------------------------------------------------
     async def read(self, fh: int, offset: int, size: int) -> bytes:

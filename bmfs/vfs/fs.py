@@ -14,7 +14,6 @@ import logging
 import os
 import stat
 import time
-from dataclasses import dataclass
 
 import trio
 
@@ -25,6 +24,7 @@ from ..lru import LRU
 from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.records import Inode
+from .attr import Attr, attr_of
 from .files import Files, unclaimed
 from .held import HeldDirs
 from .views import (CTL_BRANCHES, CTL_FILE, CTL_NAME, CTL_ROOT, CTL_SNAPSHOTS, CTL_VIEW,
@@ -35,27 +35,7 @@ RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
 XATTR_CREATE, XATTR_REPLACE = 1, 2
 
 
-@dataclass(slots=True)
-class Attr:
-    ino: int
-    mode: int
-    nlink: int = 1
-    uid: int = 0
-    gid: int = 0
-    rdev: int = 0
-    size: int = 0
-    atime_ns: int = 0
-    mtime_ns: int = 0
-    ctime_ns: int = 0
-    parent: int = 0  # directories: the one holding it (0: the root of its tree)
-
-
 GONE_KEPT = 4096  # freed inodes remembered (FileSystem.freed)
-
-
-def _attr(fino: int, i: Inode) -> Attr:
-    return Attr(fino, i.mode, i.nlink, i.uid, i.gid, i.rdev, i.size, i.atime_ns, i.mtime_ns,
-                i.ctime_ns, fino & ~INO_MASK | i.parent if i.parent else 0)
 
 
 def now_ns() -> int:
@@ -238,7 +218,7 @@ class FileSystem:
         self.files.overlay(view, ino, i)
         if not view.writable and not stat.S_ISLNK(i.mode):  # symlinks are always 0777
             i.mode &= ~0o222
-        a = _attr(fino, i)
+        a = attr_of(fino, i)
         if i.is_dir():
             self.held.answered(a)
         return a
@@ -304,7 +284,7 @@ class FileSystem:
                 raise
             ents = [(name, Attr(self.join(view, cino), fmt))
                     for name, cino, fmt in await ns.list_dir(txn, view.chain, ino)]
-            a = _attr(fino, d)
+            a = attr_of(fino, d)
             if dots:
                 await self.accessed(view, ino, d)
         if not dots:
@@ -408,7 +388,7 @@ class FileSystem:
             await ns.put_inode(txn, chain, pino, p)
             return i
         i = await self.mutate(view, fn)
-        return _attr(self.join(view, ino), i)
+        return attr_of(self.join(view, ino), i)
 
     async def mknod(self, parent, name, mode, rdev, uid, gid) -> Attr:
         if stat.S_IFMT(mode) == 0:
@@ -450,7 +430,7 @@ class FileSystem:
             return i
         i = await self.mutate(view, fn)
         self.files.overlay(view, ino, i)
-        return _attr(fino, i)
+        return attr_of(fino, i)
 
     # -- removing ---------------------------------------------------------------------------
     async def _drop_link(self, txn, chain, view, ino: int, i: Inode, now: int) -> None:
@@ -654,11 +634,11 @@ class FileSystem:
             gone = self.gone.get((view.id, ino))
             if gone is None or mode is not None or uid is not None or gid is not None:
                 raise
-            return _attr(fino, gone)
+            return attr_of(fino, gone)
         self.files.overlay_update(view, ino, i)
         self.files.client_moved(view, ino, before, i)
         self.files.overlay(view, ino, i)
-        return _attr(fino, i)
+        return attr_of(fino, i)
 
     # -- xattrs -----------------------------------------------------------------------------
     @staticmethod

@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
 
 from ..meta.records import Inode
-
-if TYPE_CHECKING:
-    from .fs import Attr
+from .attr import Attr
 
 
 class HeldDirs:

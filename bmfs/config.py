@@ -1,6 +1,7 @@
 """Configuration: volume-wide settings (stored in the metadata) and per-mount options."""
 from __future__ import annotations
 
+import grp
 import logging
 import os
 from dataclasses import asdict, dataclass, fields
@@ -9,6 +10,21 @@ from .format.revision import FORMAT_REVISION
 
 LAYOUTS = ("pool", "files")  # of a device directory: store/pool.py, store/file.py
 DEFAULT_LAYOUT = os.environ.get("BMFS_LAYOUT", "files")  # mkfs's, unless --layout
+
+
+def group_id(name: str | None) -> int | None:
+    """The gid of group ``name`` (a name, or a number) on this machine; None for none.
+    The volume's admin group (vfs/control.py) is stored by name and resolved so on
+    each machine that mounts the volume or makes it.
+
+    Raises:
+        KeyError: no such group here.
+    """
+    if name is None:
+        return None
+    if name.isdigit():
+        return int(name)
+    return grp.getgrnam(name).gr_gid
 
 
 @dataclass(frozen=True)

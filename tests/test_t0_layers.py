@@ -63,10 +63,6 @@ KNOWN_CYCLES = {
         "the compactor drives the engine's maintenance calls; the engine owns a compactor",
     frozenset({"bmfs.typed.records", "bmfs.typed.typeattr", "bmfs.typed.views"}):
         "record files set and check their type; views open record files",
-    frozenset({"bmfs.node.membership", "bmfs.vfs.control", "bmfs.vfs.repair",
-               "bmfs.vfs.status", "bmfs.vfs.volume"}):
-        "the control file dispatches administration, which reaches membership and "
-        "back; mkfs checks the admin group with control.group_id",
 }
 
 

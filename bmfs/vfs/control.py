@@ -14,13 +14,13 @@ any file whose permissions are checked at open. A reply is kept per handle.
 """
 from __future__ import annotations
 
-import grp
 import json
 import logging
 import stat
 import time
 from dataclasses import dataclass, field
 
+from ..config import group_id
 from ..errors import Access, FsError, Invalid, NotFound, NotDir
 from ..meta import branches, keys
 from .attr import Attr
@@ -90,19 +90,6 @@ class Caller:
 
 
 IN_PROCESS = Caller(0, 0)  # a program that opened the volume itself (no FUSE request)
-
-
-def group_id(name: str | None) -> int | None:
-    """The gid of group ``name`` (a name, or a number) on this machine; None for none.
-
-    Raises:
-        KeyError: no such group here.
-    """
-    if name is None:
-        return None
-    if name.isdigit():
-        return int(name)
-    return grp.getgrnam(name).gr_gid
 
 
 def check_request(req, caller: Caller, admin_gid: int | None) -> tuple[str, dict]:

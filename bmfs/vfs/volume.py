@@ -15,7 +15,7 @@ import uuid as uuidlib
 
 import trio
 
-from ..config import DEFAULT_LAYOUT, VolumeSettings
+from ..config import DEFAULT_LAYOUT, VolumeSettings, group_id
 from ..data.client import DataClient
 from ..errors import VolumeError
 from ..kv import open_kv, seal
@@ -138,7 +138,6 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
     branches and snapshots (vfs/control.py)."""
     layout = layout or DEFAULT_LAYOUT
     if admin_group is not None:
-        from .control import group_id
         try:
             group_id(admin_group)
         except KeyError:

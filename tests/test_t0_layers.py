@@ -59,8 +59,6 @@ KNOWN_UPWARD = {
 
 # Sets of modules that import each other (strongly connected): why. Only ever shrinks.
 KNOWN_CYCLES = {
-    frozenset({"bmfs.kv.etcd", "bmfs.kv.etcd_compact"}):
-        "the compactor drives the engine's maintenance calls; the engine owns a compactor",
     frozenset({"bmfs.typed.records", "bmfs.typed.typeattr", "bmfs.typed.views"}):
         "record files set and check their type; views open record files",
 }

@@ -37,14 +37,11 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable, Protocol
 
 import trio
 
 from ..errors import FsError
-
-if TYPE_CHECKING:
-    from .etcd import EtcdKV
 
 log = logging.getLogger(__name__)
 INTERVAL = float(os.environ.get("BMFS_ETCD_COMPACT_INTERVAL", 60))
@@ -52,10 +49,21 @@ WINDOW = float(os.environ.get("BMFS_ETCD_COMPACT_WINDOW", 300))
 DEFRAG_MIN = int(os.environ.get("BMFS_ETCD_DEFRAG_MIN", 256 << 20))
 
 
+class Maintained(Protocol):
+    """What the compactor needs of its engine (etcd.py's EtcdKV)."""
+
+    async def revision(self) -> int: ...
+    async def compact(self, revision: int) -> bool: ...
+    async def alarms(self) -> list[dict]: ...
+    async def disarm(self, alarms: list[dict]) -> None: ...
+    async def members_status(self) -> dict[str, dict | None]: ...
+    async def defragment(self, ep: str) -> None: ...
+
+
 class Compactor:
     """The compaction state of one engine: revisions noted, and what was done."""
 
-    def __init__(self, kv: "EtcdKV", interval: float = INTERVAL, window: float = WINDOW,
+    def __init__(self, kv: Maintained, interval: float = INTERVAL, window: float = WINDOW,
                  defrag_min: int = DEFRAG_MIN):
         self.kv = kv
         self.interval = interval

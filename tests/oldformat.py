@@ -50,18 +50,17 @@ def stored_format(volume) -> tuple[int, bool]:
     return json.loads(v[:-SEAL_BYTES] if sealed else v)["format"], sealed
 
 
-def etcd_to_previous_format(endpoint: str, fmt: int = 2) -> int:
+def etcd_to_previous_format(cluster, fmt: int = 2) -> int:
     """The same for a volume whose metadata is in etcd (no mount of it running),
-    through etcd's JSON gateway at ``endpoint``; the engine's private keys (four 0xFF
-    bytes first) are left alone. Returns the number of records."""
+    through the JSON gateway of the EtcdCluster's first member (with its credentials);
+    the engine's private keys (four 0xFF bytes first) are left alone. Returns the
+    number of records."""
     import base64
-
-    from bmfs.cluster.etcd import _post
 
     def b64(b: bytes) -> str:
         return base64.b64encode(b).decode()
     every = b64(b"\0")
-    kvs = _post(endpoint, "/v3/kv/range", {"key": every, "range_end": every}).get("kvs", [])
+    kvs = cluster.post(0, "/v3/kv/range", {"key": every, "range_end": every}).get("kvs", [])
     n = 0
     for r in kvs:
         k, v = base64.b64decode(r["key"]), base64.b64decode(r.get("value", ""))
@@ -73,6 +72,6 @@ def etcd_to_previous_format(endpoint: str, fmt: int = 2) -> int:
             d = json.loads(raw)
             d["format"] = fmt
             raw = json.dumps(d).encode()
-        _post(endpoint, "/v3/kv/put", {"key": b64(k), "value": b64(raw)})
+        cluster.post(0, "/v3/kv/put", {"key": b64(k), "value": b64(raw)})
         n += 1
     return n

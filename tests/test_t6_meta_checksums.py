@@ -215,6 +215,28 @@ def test_entry_whose_inode_record_is_gone_is_eio_not_a_missing_name(tmp_path):
     assert res.returncode == 1, (res.stdout, res.stderr)
 
 
+def test_symlink_whose_target_record_is_gone_is_eio(tmp_path):
+    """A symlink whose target record is not under its key (a changed byte in the key):
+    readlink is EIO and the mount's log says so, not EINVAL ("not a symlink")."""
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    with Mounted(vol, mp):
+        os.symlink("g", mp / "ln")
+        ino = os.lstat(mp / "ln").st_ino
+    key = b"l/%016x@00000001" % ino
+    db = sqlite3.connect(vol / "meta.db")
+    try:
+        assert db.execute("UPDATE kv SET k=? WHERE k=?",
+                          (key.replace(b"@00000001", b"@00000101"), key)).rowcount == 1
+        db.commit()
+    finally:
+        db.close()
+    with Mounted(vol, mp):
+        assert os.path.islink(mp / "ln")
+        _expect_eio(os.readlink, mp / "ln")
+    assert "has no target record" in (vol / "mount.log").read_text()
+
+
 @pytest.mark.parametrize("damage", ["header", "truncated"])
 def test_malformed_database_is_one_line(tmp_path, damage):
     vol, mp = tmp_path / "vol", tmp_path / "mp"

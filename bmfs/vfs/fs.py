@@ -288,8 +288,11 @@ class FileSystem:
 
     async def readlink(self, fino: int) -> bytes:
         view, ino = self.split(fino)
-        t = await ns.get_symlink(self.kv.begin(), view.chain, ino)
+        txn = self.kv.begin()
+        t = await ns.get_symlink(txn, view.chain, ino)
         if t is None:
+            if stat.S_ISLNK((await self._get(txn, view.chain, ino)).mode):
+                raise MetaDamaged(f"damaged metadata: symlink {ino} has no target record")
             raise Invalid("not a symlink")
         return t
 

@@ -77,6 +77,16 @@ def _sqlite_update(vol, key: bytes, value: bytes) -> None:
         db.close()
 
 
+def _sqlite_move(vol, key: bytes, new_key: bytes) -> None:
+    """The record of ``key`` now under ``new_key`` (its value unchanged)."""
+    db = sqlite3.connect(vol / "meta.db")
+    try:
+        assert db.execute("UPDATE kv SET k=? WHERE k=?", (new_key, key)).rowcount == 1
+        db.commit()
+    finally:
+        db.close()
+
+
 def _flip_in(value: bytes, old: bytes, new: bytes) -> bytes:
     assert value.count(old) == 1, value
     return value.replace(old, new)
@@ -198,14 +208,7 @@ def test_entry_whose_inode_record_is_gone_is_eio_not_a_missing_name(tmp_path):
     with Mounted(vol, mp):
         _fill(mp)
         ino = os.stat(mp / "dir" / "f08").st_ino
-    key = b"i/%016x@00000001" % ino
-    db = sqlite3.connect(vol / "meta.db")
-    try:
-        assert db.execute("UPDATE kv SET k=? WHERE k=?",
-                          (key.replace(b"@00000001", b"@00040001"), key)).rowcount == 1
-        db.commit()
-    finally:
-        db.close()
+    _sqlite_move(vol, b"i/%016x@00000001" % ino, b"i/%016x@00040001" % ino)
     with Mounted(vol, mp):
         _expect_eio(os.listdir, mp / "dir")
         _expect_eio(os.stat, mp / "dir" / "f08")
@@ -223,14 +226,7 @@ def test_symlink_whose_target_record_is_gone_is_eio(tmp_path):
     with Mounted(vol, mp):
         os.symlink("g", mp / "ln")
         ino = os.lstat(mp / "ln").st_ino
-    key = b"l/%016x@00000001" % ino
-    db = sqlite3.connect(vol / "meta.db")
-    try:
-        assert db.execute("UPDATE kv SET k=? WHERE k=?",
-                          (key.replace(b"@00000001", b"@00000101"), key)).rowcount == 1
-        db.commit()
-    finally:
-        db.close()
+    _sqlite_move(vol, b"l/%016x@00000001" % ino, b"l/%016x@00000101" % ino)
     with Mounted(vol, mp):
         assert os.path.islink(mp / "ln")
         _expect_eio(os.readlink, mp / "ln")

@@ -233,6 +233,23 @@ def test_symlink_whose_target_record_is_gone_is_eio(tmp_path):
     assert "has no target record" in (vol / "mount.log").read_text()
 
 
+def test_file_whose_stripe_record_is_gone_is_eio_without_internal_error(tmp_path):
+    """A file whose stripe record is not under its key: reading it and removing it are
+    EIO with a line in the mount's log, not an internal error (a traceback)."""
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    with Mounted(vol, mp):
+        (mp / "big").write_bytes(os.urandom(300_000))
+    (key,) = [k for k, _ in _sqlite_rows(vol) if k.startswith(b"t/")]
+    _sqlite_move(vol, key, b"T" + key[1:])
+    with Mounted(vol, mp):
+        _expect_eio((mp / "big").read_bytes)
+        _expect_eio(os.unlink, mp / "big")
+    log = (vol / "mount.log").read_text()
+    assert "Traceback" not in log and "internal error" not in log, log[-2000:]
+    assert "is missing from the metadata" in log, log[-2000:]
+
+
 @pytest.mark.parametrize("damage", ["header", "truncated"])
 def test_malformed_database_is_one_line(tmp_path, damage):
     vol, mp = tmp_path / "vol", tmp_path / "mp"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import stat
 
+from ..errors import MetaDamaged
 from ..kv import Txn
 from . import keys
 from .layers import Chain, ldel, lget, lput, lscan, top_value
@@ -121,7 +122,8 @@ async def adjust_refs(txn: Txn, sids, delta: int) -> None:
             continue
         raw = await txn.get(keys.stripe(sid))
         if raw is None:
-            raise AssertionError(f"slice refers to missing stripe {sid}")
+            raise MetaDamaged(f"stripe {sid} is missing from the metadata (a slice refers "
+                              f"to it)", keys.stripe(sid))
         st = Stripe.unpack(raw)
         st.refs += delta
         if st.refs > 0:

@@ -24,6 +24,7 @@ def _doc_prefixes() -> set[bytes]:
 def test_keyspace_table_matches_docs():
     table = {prefix for prefix, _, _ in keys.KEYSPACE}
     assert len(table) == len(keys.KEYSPACE)
+    assert set(keys.LAYERED_PREFIXES) | set(keys.LEASED_PREFIXES) <= table
     docs = _doc_prefixes()
     assert table - docs == set(), "in keys.KEYSPACE but not in docs/keyspace.md"
     assert docs - table == set(), "in docs/keyspace.md but not in keys.KEYSPACE"

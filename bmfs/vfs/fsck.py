@@ -22,7 +22,7 @@ from ..data import fragment as fr
 from ..errors import MetaDamaged
 from ..kv import seal
 from ..meta import keys
-from ..meta.layers import Chain, lscan
+from ..meta.layers import Chain, lscan, split
 from ..meta.records import EC, NO_DEVICE, Inode, Stripe, unpack_dentry, unpack_slices
 from ..meta.namespace import ROOT
 from ..transport import DeviceError
@@ -108,7 +108,7 @@ async def check_refs(kv, live_layers: set[int], problems: list[str],
     hold their references, and are not a problem."""
     counts = Counter()
     for k, v in await kv.range(*keys.span(keys.CHUNK_PREFIX)):
-        lay = int(k[-8:], 16)
+        lay = split(k)[1]
         if lay not in live_layers and not collecting:
             problems.append(f"slice list {k!r} belongs to a layer no tree uses")
             continue

@@ -38,6 +38,7 @@ import trio
 
 from ..errors import FsError
 from ..meta import keys
+from ..meta.layers import layered
 from ..meta.records import Inode
 from .views import CTL_BRANCHES, CTL_SNAPSHOTS, VIEW_SHIFT
 
@@ -45,16 +46,6 @@ log = logging.getLogger(__name__)
 WATCH_START, WATCH_END = keys.BRANCH_PREFIX, keys.span(keys.ORPHAN_PREFIX)[1]  # b/ c/ ... o/
 BATCH = 4096                            # changes handled (and deduplicated) together
 RETRY_DELAY = 1.0
-
-
-def _layered(key: bytes) -> tuple[bytes, int] | None:
-    """``(SUB, layer)`` of a layered key, or None if it is not one."""
-    if len(key) < 11 or key[-9:-8] != b"@":
-        return None
-    try:
-        return key[:-9], int(key[-8:], 16)
-    except ValueError:
-        return None
 
 
 async def watch_devices(fs) -> None:
@@ -157,7 +148,7 @@ class Watcher:
                 continue
             if kind not in (keys.INODE_PREFIX, keys.DENTRY_PREFIX, keys.CHUNK_PREFIX):
                 continue
-            split = _layered(key)
+            split = layered(key)
             if split is None or split[1] not in tops:
                 continue
             sub, lay = split

@@ -52,9 +52,9 @@ def stored_format(volume) -> tuple[int, bool]:
 
 def etcd_to_previous_format(cluster, fmt: int = 2) -> int:
     """The same for a volume whose metadata is in etcd (no mount of it running),
-    through etcd's JSON gateway of ``cluster``'s (a bmfs.cluster.etcd.EtcdCluster)
-    first member, with its credentials; the engine's private keys (four 0xFF bytes
-    first) are left alone. Returns the number of records."""
+    through the JSON gateway of the EtcdCluster's first member (with its credentials);
+    the engine's private keys (four 0xFF bytes first) are left alone. Returns the
+    number of records."""
     import base64
 
     def b64(b: bytes) -> str:

@@ -55,7 +55,7 @@ async def _authenticated(port: int) -> Connection:
     sock = trio.socket.socket()
     await sock.connect(("127.0.0.1", port))
     conn = Connection(sock, 4096)
-    await client_handshake(conn, SECRET)
+    await client_handshake(conn, SECRET, 0)
     return conn
 
 
@@ -341,5 +341,57 @@ def test_tls_client_of_a_plain_node_fails_cleanly(tmp_path, certs):
                 await _stat(port, timeout=5, tls=certs["client"].context(server=False))
             await _stat(port)
             assert server.stats["rejected"] == 1
+            nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_a_handshake_relayed_to_another_node_lets_nobody_in(tmp_path):
+    """Whoever answers at one node's address (a local user on the port its node left)
+    and relays a mount's handshake to another node of the cluster gets in nowhere:
+    the mount's proof names the device it wants, which the other node does not serve,
+    so that node closes the relay instead of taking it for a client."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            path = str(tmp_path / "d1")
+            FileStore.format(path, "vol", 1)
+            other = NodeServer(NAME, SECRET, {1: FileStore(path, "vol", 1)})
+            other_port = await nursery.start(other.serve, "127.0.0.1", 0)
+            listener = trio.socket.socket()
+            await listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            got = {}
+
+            async def relay():
+                mount_sock, _ = await listener.accept()
+                node_sock = trio.socket.socket()
+                await node_sock.connect(("127.0.0.1", other_port))
+                to_mount, to_node = Connection(mount_sock, 4096), Connection(node_sock, 4096)
+                hello, _ = await to_node.recv(pb.Hello)
+                await to_mount.send(hello)
+                auth, _ = await to_mount.recv(pb.Auth)
+                await to_node.send(auth)
+                try:
+                    await to_node.recv(pb.AuthOk)
+                    # in: the relay asks for the node's fragments itself
+                    await to_node.send(pb.Request(id=1, op=pb.Request.LIST, device=1))
+                    resp, _ = await to_node.recv(pb.Response)
+                    got["names"] = list(resp.names)
+                except (EOFError, OSError) as e:
+                    got["refused"] = repr(e)
+                to_mount.close()
+                to_node.close()
+            nursery.start_soon(relay)
+            port = listener.getsockname()[1]
+            transport = TcpTransport({0: f"127.0.0.1:{port}"}, SECRET, timeout=5.0)
+            try:
+                with pytest.raises((DeviceError, OSError)):
+                    with trio.fail_after(30):
+                        await transport.stat(0)
+            finally:
+                await transport.aclose()
+            with trio.fail_after(10):
+                while not got:
+                    await trio.sleep(0.05)
+            assert "refused" in got, got
             nursery.cancel_scope.cancel()
     trio.run(main)

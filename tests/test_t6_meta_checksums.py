@@ -77,6 +77,16 @@ def _sqlite_update(vol, key: bytes, value: bytes) -> None:
         db.close()
 
 
+def _sqlite_move(vol, key: bytes, new_key: bytes) -> None:
+    """The record of ``key`` now under ``new_key`` (its value unchanged)."""
+    db = sqlite3.connect(vol / "meta.db")
+    try:
+        assert db.execute("UPDATE kv SET k=? WHERE k=?", (new_key, key)).rowcount == 1
+        db.commit()
+    finally:
+        db.close()
+
+
 def _flip_in(value: bytes, old: bytes, new: bytes) -> bytes:
     assert value.count(old) == 1, value
     return value.replace(old, new)
@@ -188,6 +198,58 @@ def test_key_changed_on_disk_is_a_listing_error_not_a_short_listing(tmp_path):
     assert "fails its checksum" in res.stdout, res.stdout
 
 
+def test_entry_whose_inode_record_is_gone_is_eio_not_a_missing_name(tmp_path):
+    """A directory entry whose inode record is not under its key (a changed byte in
+    the key's layer number moves the record where no reader looks): the listing fails
+    and stat of the name is EIO, not a listing without the name and ENOENT (a name
+    removed by another mount since the listing began is still skipped)."""
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    with Mounted(vol, mp):
+        _fill(mp)
+        ino = os.stat(mp / "dir" / "f08").st_ino
+    _sqlite_move(vol, b"i/%016x@00000001" % ino, b"i/%016x@00040001" % ino)
+    with Mounted(vol, mp):
+        _expect_eio(os.listdir, mp / "dir")
+        _expect_eio(os.stat, mp / "dir" / "f08")
+        assert (mp / "dir" / "f09").read_text() == "f09"
+    assert "damaged" in (vol / "mount.log").read_text()
+    res = fsck(vol, "--full")
+    assert res.returncode == 1, (res.stdout, res.stderr)
+
+
+def test_symlink_whose_target_record_is_gone_is_eio(tmp_path):
+    """A symlink whose target record is not under its key (a changed byte in the key):
+    readlink is EIO and the mount's log says so, not EINVAL ("not a symlink")."""
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    with Mounted(vol, mp):
+        os.symlink("g", mp / "ln")
+        ino = os.lstat(mp / "ln").st_ino
+    _sqlite_move(vol, b"l/%016x@00000001" % ino, b"l/%016x@00000101" % ino)
+    with Mounted(vol, mp):
+        assert os.path.islink(mp / "ln")
+        _expect_eio(os.readlink, mp / "ln")
+    assert "has no target record" in (vol / "mount.log").read_text()
+
+
+def test_file_whose_stripe_record_is_gone_is_eio_without_internal_error(tmp_path):
+    """A file whose stripe record is not under its key: reading it and removing it are
+    EIO with a line in the mount's log, not an internal error (a traceback)."""
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    with Mounted(vol, mp):
+        (mp / "big").write_bytes(os.urandom(300_000))
+    (key,) = [k for k, _ in _sqlite_rows(vol) if k.startswith(b"t/")]
+    _sqlite_move(vol, key, b"T" + key[1:])
+    with Mounted(vol, mp):
+        _expect_eio((mp / "big").read_bytes)
+        _expect_eio(os.unlink, mp / "big")
+    log = (vol / "mount.log").read_text()
+    assert "Traceback" not in log and "internal error" not in log, log[-2000:]
+    assert "is missing from the metadata" in log, log[-2000:]
+
+
 @pytest.mark.parametrize("damage", ["header", "truncated"])
 def test_malformed_database_is_one_line(tmp_path, damage):
     vol, mp = tmp_path / "vol", tmp_path / "mp"
@@ -217,14 +279,13 @@ def test_flipped_value_in_etcd_is_eio_and_fsck_names_it(etcd_cluster, tmp_path):
     mkfs(vol, "--meta", etcd_cluster.url)
     with Mounted(vol, mp):
         _fill(mp)
-    ep = 0  # (the first member, through the cluster's credentials)
     every = base64.b64encode(b"\0").decode()
-    kvs = etcd_cluster.post(ep, "/v3/kv/range", {"key": every, "range_end": every}).get("kvs", [])
+    kvs = etcd_cluster.post(0, "/v3/kv/range", {"key": every, "range_end": every}).get("kvs", [])
     rows = {base64.b64decode(r["key"]): base64.b64decode(r.get("value", "")) for r in kvs}
 
     def put(k, v):
-        etcd_cluster.post(ep, "/v3/kv/put", {"key": base64.b64encode(k).decode(),
-                                             "value": base64.b64encode(v).decode()})
+        etcd_cluster.post(0, "/v3/kv/put", {"key": base64.b64encode(k).decode(),
+                                            "value": base64.b64encode(v).decode()})
     key = next(k for k, v in rows.items() if b"text file" in v)
     put(key, _flip_in(rows[key], b"text file", b"text File"))
     dkey = next(k for k in rows if k.startswith(b"d/") and b"/f08@" in k)

@@ -484,7 +484,7 @@ def test_authenticated_garbage_gets_an_error_and_a_close(cluster):
         sock = trio.socket.socket()
         await sock.connect(addr)
         conn = Connection(sock)
-        await client_handshake(conn, secret)
+        await client_handshake(conn, secret, 0)  # (node 0 serves device 0)
         await conn.send(pb.Request(id=1, op=99, device=0))
         resp, _ = await conn.recv(pb.Response)
         assert resp.errno and "unknown operation" in resp.error
@@ -824,7 +824,7 @@ def test_hundreds_of_idle_connections_to_a_node_leave_the_mount_served(cluster, 
                 await sock.connect(addr)
                 conn = Connection(sock, 4096)
                 conns.append(conn)
-                await client_handshake(conn, secret)
+                await client_handshake(conn, secret, 0)  # (node 0 serves device 0)
             await trio.sleep(1.5)  # all idle: the node may close the idlest now
             return await trio.to_thread.run_sync(use_a_mount)
         finally:

@@ -250,11 +250,12 @@ async def _gc_loop(fs):
             await fs.volume_gc()
             if shared:
                 await session.sweep_orphans(fs)
+            from ..meta import keys
             from ..vfs import repair
             # (not while a repair, scrub, drain or rebalance of this mount runs: that
             # would hold the rest of the upkeep up until it ends)
             if rounds % REPAIR_EVERY == 0 and not repair.busy(fs.volume) and \
-                    await fs.kv.range(b"h/", b"h0", 1) and \
+                    await fs.kv.range(*keys.span(keys.DAMAGE_PREFIX), 1) and \
                     (not shared or await session.leads_repair(fs)):
                 result = await repair.repair(fs.volume)
                 if result["fragments_rebuilt"] or result["stripes_failed"]:

@@ -387,8 +387,16 @@ class Operations(pyfuse3.Operations):
             try:
                 a = await self.fs.getattr(a.ino)
             except NotFound:
-                continue  # removed since opendir (anything else fails the listing:
-                # a damaged record must not make it silently short)
+                # removed since opendir, unless the name is still there: then lookup
+                # answers for it (MetaDamaged if it names an inode with no record).
+                # Anything else fails the listing: a damaged record must not make it
+                # silently short.
+                if name in (b".", b".."):
+                    continue
+                try:
+                    a = await self.fs.lookup(self._dir_ino.get(fh, 0), name)
+                except NotFound:
+                    continue
             if not pyfuse3.readdir_reply(token, name, self._e(a), i + 1):
                 break
             if name not in (b".", b".."):  # (the kernel takes no lookup of those)

@@ -64,8 +64,8 @@ def validate_name(kind: str, name) -> str:
 
 
 async def list_names(kv, kind: str) -> list[str]:
-    prefix = b"b/" if kind == "branch" else b"n/"
-    return [k[2:].decode() for k, _ in await kv.range(prefix, prefix_end(prefix))]
+    prefix = keys.BRANCH_PREFIX if kind == "branch" else keys.SNAPSHOT_PREFIX
+    return [keys.tree_name_of(k) for k, _ in await kv.range(prefix, prefix_end(prefix))]
 
 
 async def _load(txn, key):
@@ -150,16 +150,16 @@ async def op_snapshot_create(kv, name: str, branch: str = "main") -> dict:
 
 
 async def _list(kv, prefix: bytes) -> list[dict]:
-    return [{"name": k[2:].decode(), **json.loads(v)}
+    return [{"name": keys.tree_name_of(k), **json.loads(v)}
             for k, v in await kv.range(prefix, prefix_end(prefix))]
 
 
 async def op_branch_list(kv) -> list[dict]:
-    return await _list(kv, b"b/")
+    return await _list(kv, keys.BRANCH_PREFIX)
 
 
 async def op_snapshot_list(kv) -> list[dict]:
-    return await _list(kv, b"n/")
+    return await _list(kv, keys.SNAPSHOT_PREFIX)
 
 
 async def op_branch_delete(kv, name: str, collect: bool = True) -> dict:
@@ -235,7 +235,7 @@ async def op_branch_reset(kv, name: str, to: str) -> dict:
 async def _heads(kv) -> set[int]:
     """The layers branches (their heads) and snapshots name."""
     heads = set()
-    for prefix, field in ((b"b/", "head"), (b"n/", "layer")):
+    for prefix, field in ((keys.BRANCH_PREFIX, "head"), (keys.SNAPSHOT_PREFIX, "layer")):
         for _, v in await kv.range(prefix, prefix_end(prefix)):
             heads.add(json.loads(v)[field])
     return heads
@@ -274,8 +274,8 @@ async def collect_layers(kv, batch: int = 500) -> int:
     pass. It yields to the event loop after each page of keys it reads."""
     first_new = int(await kv.get(keys.counter("layer")) or 2)
     live = await live_layers(kv)
-    dead = {lay for lay in (int(k[2:], 16) for k, _ in await kv.range(b"y/", b"y0"))
-            if lay < first_new} - live
+    layer_rows = await kv.range(*keys.span(keys.LAYER_PREFIX))
+    dead = {lay for lay in (keys.layer_of(k) for k, _ in layer_rows) if lay < first_new} - live
     if not dead:
         await _prune(kv)
         return 0
@@ -293,7 +293,7 @@ async def collect_layers(kv, batch: int = 500) -> int:
     for lay in dead:
         txn = kv.begin()
         txn.delete(keys.layer(lay))
-        for k, _ in await kv.range(b"o/%08x/" % lay, b"o/%08x0" % lay):
+        for k, _ in await kv.range(*keys.span(keys.orphan_prefix(lay))):
             txn.delete(k)
         await kv.commit(txn)
     await _prune(kv)
@@ -331,8 +331,8 @@ async def prune_shadowed(kv, batch: int = 100) -> int:
     # (the graph it worked from may miss a child or a head; the next one redoes it)
     counter = await kv.get(keys.counter("layer"))
     parents = {}
-    for k, v in await kv.range(b"y/", b"y0"):
-        parents[int(k[2:], 16)] = json.loads(v).get("parent")
+    for k, v in await kv.range(*keys.span(keys.LAYER_PREFIX)):
+        parents[keys.layer_of(k)] = json.loads(v).get("parent")
     heads = await _heads(kv)
     children = defaultdict(list)
     for lay, parent in parents.items():
@@ -429,10 +429,10 @@ async def _drop_shadowed(kv, rows, way: dict, counter) -> int | None:
             above = found[hider]
             txn.delete(k)
             n += 1
-            if k.startswith(b"c/") and cur[:1] == keys.LIVE:
+            if k.startswith(keys.CHUNK_PREFIX) and cur[:1] == keys.LIVE:
                 await adjust_refs(txn, {s.sid for s in unpack_slices(cur[1:])}, -1)
-            elif k.startswith(b"i/") and above[:1] == keys.TOMBSTONE:
-                txn.delete(keys.orphan(lay, int(k[2:18], 16)))
+            elif k.startswith(keys.INODE_PREFIX) and above[:1] == keys.TOMBSTONE:
+                txn.delete(keys.orphan(lay, keys.ino_of(k)))
         return True
     return n if await kv.transact(fn) else None
 
@@ -444,7 +444,7 @@ async def _drop_keys(kv, rows):
             if cur is None:
                 continue
             txn.delete(k)
-            if k.startswith(b"c/") and cur[:1] == keys.LIVE:
+            if k.startswith(keys.CHUNK_PREFIX) and cur[:1] == keys.LIVE:
                 await adjust_refs(txn, {s.sid for s in unpack_slices(cur[1:])}, -1)
     await kv.transact(fn)
 
@@ -509,7 +509,7 @@ class _Paths:
         if self._names is None:
             from .layers import lscan
             self._names = {}
-            for sub, v in await lscan(txn, self.chain, b"d/"):
+            for sub, v in await lscan(txn, self.chain, keys.DENTRY_PREFIX):
                 cino = unpack_dentry(v)[0]
                 self._names.setdefault(cino, sub)
         sub = self._names.get(ino)
@@ -518,14 +518,14 @@ class _Paths:
         return await self.entry_path(txn, sub)
 
     async def entry_path(self, txn, sub: bytes) -> bytes:
-        parent, name = int(sub[2:18], 16), sub[19:]
+        parent, name = keys.dentry_of(sub)
         d = await self.dir_path(txn, parent)
         return (d.rstrip(b"/") + b"/" + name)
 
     async def of_sub(self, txn, sub: bytes) -> bytes:
-        if sub.startswith(b"d/"):
+        if sub.startswith(keys.DENTRY_PREFIX):
             return await self.entry_path(txn, sub)
-        return await self.file_path(txn, int(sub[2:18], 16))
+        return await self.file_path(txn, keys.ino_of(sub))
 
 
 def _only_read_since(sub: bytes, va: bytes | None, vb: bytes | None) -> bool:
@@ -551,7 +551,7 @@ async def op_diff(kv, a: str, b: str) -> dict:
         va, vb = await lget(txn, ca, sub), await lget(txn, cb, sub)
         if va == vb or _only_read_since(sub, va, vb):
             continue
-        if sub.startswith(b"d/"):
+        if sub.startswith(keys.DENTRY_PREFIX):
             if va is None:
                 added.add(await pb.of_sub(txn, sub))
             elif vb is None:
@@ -559,7 +559,7 @@ async def op_diff(kv, a: str, b: str) -> dict:
             else:
                 changed.add(await pb.of_sub(txn, sub))
         else:
-            ino = int(sub[2:18], 16)
+            ino = keys.ino_of(sub)
             ia = await lget(txn, ca, keys.inode(ino))
             ib = await lget(txn, cb, keys.inode(ino))
             if ia is None or ib is None or Inode.unpack(ib).is_dir():
@@ -638,7 +638,7 @@ class _Merge:
         if sub not in self.plan or self.plan[sub] != value:
             self.plan[sub] = value
             self.changes += 1
-            self._planned.setdefault(int(sub[2:18], 16), set()).add(sub)
+            self._planned.setdefault(keys.ino_of(sub), set()).add(sub)
 
     async def take(self, sub: bytes, value: bytes | None) -> None:
         if value == await self.val(self.ct, sub):
@@ -660,7 +660,7 @@ class _Merge:
             if tv == bv:
                 self._plan(sub, sv)
                 continue
-            if sub.startswith(b"i/") and sv and tv and bv:
+            if sub.startswith(keys.INODE_PREFIX) and sv and tv and bv:
                 merged, clash = _merge_inode(Inode.unpack(sv), Inode.unpack(bv),
                                              Inode.unpack(tv))
                 if clash:  # (taken whole from the winner: _take_conflicted_whole)
@@ -680,7 +680,7 @@ class _Merge:
         """An inode with a key in conflict comes whole from the winning side: attributes,
         every chunk's slices, xattrs, symlink target (or its absence). Taken key by key,
         a file could get the winner's bytes with the loser's size, or a chunk of each."""
-        inos = {int(s[2:18], 16) for s in self.conflicts if not s.startswith(b"d/")}
+        inos = {keys.ino_of(s) for s in self.conflicts if not s.startswith(keys.DENTRY_PREFIX)}
         for ino in sorted(inos):
             for sub in await self._subs_of(ino):
                 await self.take(sub, await self.val(self.winner, sub))
@@ -707,12 +707,12 @@ class _Merge:
         all (a pass per repair made a merge needing many of them quadratic); a repair
         only adds names, entries and keys of the inode it is about, and the counts
         are taken afresh by the next pass."""
-        ents = [(sub, v) for sub, v in self.plan.items() if sub.startswith(b"d/")]
+        ents = [(sub, v) for sub, v in self.plan.items() if sub.startswith(keys.DENTRY_PREFIX)]
         if await self._keep_needed(ents):
             return True
         names, subdirs, placed = await self._count(ents)
-        inos = set(names) | set(subdirs) | {int(s[2:18], 16) for s in self.plan
-                                             if s[:2] in (b"i/", b"c/", b"x/", b"l/")}
+        inos = set(names) | set(subdirs) | {keys.ino_of(s) for s in self.plan
+                                             if not s.startswith(keys.DENTRY_PREFIX)}
         fixed, clashes, repaired = {}, [], False
         for ino in sorted(inos):
             mv, tv = await self.mval(keys.inode(ino)), await self.val(self.ct, keys.inode(ino))
@@ -778,7 +778,7 @@ class _Merge:
         for sub, v in ents:
             if v is None:
                 continue
-            for ino in (int(sub[2:18], 16), unpack_dentry(v)[0]):
+            for ino in (keys.ino_of(sub), unpack_dentry(v)[0]):
                 if await self.mval(keys.inode(ino)) is None:
                     side = self.cs if v == await self.val(self.cs, sub) else self.ct
                     if await self.val(side, keys.inode(ino)) is None:
@@ -792,7 +792,7 @@ class _Merge:
         directory each moved directory is in now."""
         names, subdirs, placed = Counter(), Counter(), {}
         for sub, v in ents:
-            parent = int(sub[2:18], 16)
+            parent = keys.ino_of(sub)
             for val, sign in ((await self.val(self.ct, sub), -1), (v, 1)):
                 if val is not None:
                     ino, fmt = unpack_dentry(val)
@@ -830,8 +830,8 @@ class _Merge:
         if self._conflict_inos is None:  # (conflicts are all found before settling)
             self._conflict_inos = set()
             for sub in self.conflicts:
-                if not sub.startswith(b"d/"):
-                    self._conflict_inos.add(int(sub[2:18], 16))
+                if not sub.startswith(keys.DENTRY_PREFIX):
+                    self._conflict_inos.add(keys.ino_of(sub))
                     continue
                 for chain in (self.cs, self.ct):
                     v = await self.val(chain, sub)
@@ -856,7 +856,7 @@ class _Merge:
         for chain in (self.cs, self.ct):
             for prefix in (keys.chunk_prefix(ino), keys.xattr_prefix(ino)):
                 out.update(sub for sub, _ in await lscan(self.txn, chain, prefix))
-        out.update(s for s in self._planned.get(ino, ()) if not s.startswith(b"d/"))
+        out.update(s for s in self._planned.get(ino, ()) if not s.startswith(keys.DENTRY_PREFIX))
         return out
 
     async def _restore(self, ino: int, side: Chain, names: bool = False) -> None:
@@ -881,7 +881,7 @@ class _Merge:
         for sub in await self._subs_of(ino):
             if side is None:
                 await self.take(sub, None)
-            elif not sub.startswith(b"i/"):
+            elif not sub.startswith(keys.INODE_PREFIX):
                 await self.take(sub, await self.val(side, sub))
         return self.changes != before
 
@@ -937,8 +937,8 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
                 TOUCHED: (into, touched)}
 
     subs = sorted(await _changed_subs(kv, xs))
-    dsubs = sorted({s for s in subs if s.startswith(b"d/")} |
-                   {s for s in target_changes if s.startswith(b"d/")})
+    dsubs = sorted({s for s in subs if s.startswith(keys.DENTRY_PREFIX)} |
+                   {s for s in target_changes if s.startswith(keys.DENTRY_PREFIX)})
 
     async def three_way(txn):
         rec = await _load(txn, keys.branch(into))
@@ -950,8 +950,8 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
         await m.by_key(subs)
         await m.settle()
         for sub, value in m.plan.items():
-            if sub.startswith(b"c/"):
-                ino, idx = int(sub[2:18], 16), int(sub[19:], 16)
+            if sub.startswith(keys.CHUNK_PREFIX):
+                ino, idx = keys.chunk_of(sub)
                 await put_chunk(txn, ct, ino, idx, unpack_slices(value) if value else [])
             elif value is None:
                 await ldel(txn, ct, sub)

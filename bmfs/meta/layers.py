@@ -50,6 +50,16 @@ def split(key: bytes) -> tuple[bytes, int]:
     return key[:-_SUFFIX], int(key[-8:], 16)
 
 
+def layered(key: bytes) -> tuple[bytes, int] | None:
+    """``(SUB, layer)`` of a layered key, or None if it is not one."""
+    if len(key) < 2 + _SUFFIX or key[-_SUFFIX:-8] != b"@":
+        return None
+    try:
+        return split(key)
+    except ValueError:
+        return None
+
+
 async def lget(txn: Txn, chain: Chain, sub: bytes) -> bytes | None:
     """The value of ``sub`` as the tree sees it, or None."""
     if len(chain.layers) == 1:

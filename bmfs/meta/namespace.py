@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import stat
 
+from ..errors import MetaDamaged
 from ..kv import Txn
 from . import keys
 from .layers import Chain, ldel, lget, lput, lscan, top_value
@@ -62,8 +63,8 @@ async def get_chunk(txn: Txn, chain: Chain, ino: int, index: int) -> list[Slice]
 
 
 async def chunk_indexes(txn: Txn, chain: Chain, ino: int) -> list[int]:
-    p = keys.chunk_prefix(ino)
-    return [int(sub[len(p):], 16) for sub, _ in await lscan(txn, chain, p)]
+    return [keys.chunk_of(sub)[1]
+            for sub, _ in await lscan(txn, chain, keys.chunk_prefix(ino))]
 
 
 async def put_chunk(txn: Txn, chain: Chain, ino: int, index: int, slices: list[Slice]):
@@ -121,7 +122,8 @@ async def adjust_refs(txn: Txn, sids, delta: int) -> None:
             continue
         raw = await txn.get(keys.stripe(sid))
         if raw is None:
-            raise AssertionError(f"slice refers to missing stripe {sid}")
+            raise MetaDamaged(f"stripe {sid} is missing from the metadata (a slice refers "
+                              f"to it)", keys.stripe(sid))
         st = Stripe.unpack(raw)
         st.refs += delta
         if st.refs > 0:
@@ -169,8 +171,7 @@ async def remove_xattr(txn, chain, ino, name: bytes) -> None:
 
 
 async def list_xattrs(txn, chain, ino) -> list[bytes]:
-    p = keys.xattr_prefix(ino)
-    return [sub[len(p):] for sub, _ in await lscan(txn, chain, p)]
+    return [keys.xattr_name_of(sub) for sub, _ in await lscan(txn, chain, keys.xattr_prefix(ino))]
 
 
 async def get_symlink(txn, chain, ino) -> bytes | None:

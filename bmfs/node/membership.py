@@ -16,15 +16,11 @@ import time
 import trio
 
 from ..errors import FsError
+from ..meta import keys
 
 log = logging.getLogger(__name__)
-PREFIX = b"v/node/"
 TTL = 10
 RENEW_EVERY = 3.0
-
-
-def node_key(name: str) -> bytes:
-    return PREFIX + name.encode()
 
 
 async def keep_registered(kv, name: str, address: str, stores: dict, task_status=trio.TASK_STATUS_IGNORED):
@@ -39,7 +35,7 @@ async def keep_registered(kv, name: str, address: str, stores: dict, task_status
             usage = {dev: await trio.to_thread.run_sync(st.usage) for dev, st in stores.items()}
             record = {"address": address, "devices": sorted(stores), "usage": usage,
                       "started": started, "heartbeat": time.time()}
-            await kv.put_with_lease(node_key(name), json.dumps(record).encode(), lease)
+            await kv.put_with_lease(keys.node(name), json.dumps(record).encode(), lease)
             if first:
                 task_status.started()
                 first = False
@@ -134,11 +130,10 @@ async def _announce(kv, devices, address: str, volume_uuid: str, secret: bytes,
 
 async def is_volume(kv, volume_uuid: str) -> bool:
     """Whether the metadata ``kv`` is volume ``volume_uuid``'s."""
-    from ..meta import keys
     raw = await kv.get(keys.SETTINGS)
     return raw is not None and json.loads(raw).get("uuid") == volume_uuid
 
 
 async def live_nodes(kv) -> dict[str, dict]:
-    return {k[len(PREFIX):].decode(): json.loads(v)
-            for k, v in await kv.range(PREFIX, PREFIX[:-1] + b"0")}
+    return {keys.node_of(k): json.loads(v)
+            for k, v in await kv.range(*keys.span(keys.NODE_PREFIX))}

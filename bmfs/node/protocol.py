@@ -30,7 +30,7 @@ from ..wire import node_pb2 as pb
 # or None: the Python path does it (Connection.send, recv and _spin_loop)
 CLIENT = optional("bmfs.node._client")
 
-VERSION = 1
+VERSION = 2
 PREFIX = struct.Struct("<II")
 MAX_HEADER = 64 << 10
 MAX_PAYLOAD = 64 << 20
@@ -449,37 +449,49 @@ class BlockingConnection(_Framing):
                 sent += k
 
 
-def proof(secret: bytes, role: bytes, challenge: bytes) -> bytes:
-    return hmac.new(secret, role + challenge, hashlib.sha256).digest()
+def proof(secret: bytes, role: bytes, challenge: bytes, device: int) -> bytes:
+    """What proves the secret: an HMAC over the role, the peer's challenge and the
+    device the client asked for. The device binds a client's proof to the node it
+    meant to reach: every node knows the same secret, so a proof over the challenge
+    alone could be relayed by whoever answers at one node's address (a local user on
+    a port its node left) to another node, which would take the relay for the client."""
+    return hmac.new(secret, role + challenge + device.to_bytes(4, "big"),
+                    hashlib.sha256).digest()
 
 
-async def server_handshake(conn: Connection, secret: bytes) -> None:
-    """Raises ProtocolError unless the client proves the secret. The Hello says
-    nothing of the node (no name: ``Hello.node`` stays empty) to a peer that has not
-    proved anything yet; the caller bounds the time it takes (server.py)."""
+async def server_handshake(conn: Connection, secret: bytes, devices) -> None:
+    """Raises ProtocolError unless the client proves the secret for one of ``devices``
+    (those this node serves). The Hello says nothing of the node (no name:
+    ``Hello.node`` stays empty) to a peer that has not proved anything yet; the caller
+    bounds the time it takes (server.py)."""
     challenge = os.urandom(32)
     await conn.send(pb.Hello(version=VERSION, challenge=challenge))
     auth, payload = await conn.recv(pb.Auth)
-    if payload or not hmac.compare_digest(auth.proof, proof(secret, b"client", challenge)):
-        raise ProtocolError("authentication failed: wrong cluster secret")
+    if payload or auth.device not in devices or not hmac.compare_digest(
+            auth.proof, proof(secret, b"client", challenge, auth.device)):
+        raise ProtocolError("authentication failed: wrong cluster secret or a device "
+                            "this node does not serve")
     if len(auth.challenge) < 16:
         raise ProtocolError("authentication failed: short challenge")
-    await conn.send(pb.AuthOk(proof=proof(secret, b"node", auth.challenge)))
+    await conn.send(pb.AuthOk(proof=proof(secret, b"node", auth.challenge, auth.device)))
 
 
-async def client_handshake(conn: Connection, secret: bytes) -> None:
-    """Raises ProtocolError if the node does not know the secret."""
+async def client_handshake(conn: Connection, secret: bytes, device: int) -> None:
+    """Prove the secret to the node serving ``device``. Raises ProtocolError if the
+    node does not know the secret or does not serve ``device``."""
     with trio.fail_after(HANDSHAKE_TIMEOUT):
         hello, _ = await conn.recv(pb.Hello)
         if hello.version != VERSION:
             raise ProtocolError(f"node speaks protocol {hello.version}, we speak {VERSION}")
         mine = os.urandom(32)
-        await conn.send(pb.Auth(proof=proof(secret, b"client", hello.challenge), challenge=mine))
+        await conn.send(pb.Auth(proof=proof(secret, b"client", hello.challenge, device),
+                                challenge=mine, device=device))
         try:
             ok, _ = await conn.recv(pb.AuthOk)
         except EOFError:
-            raise ProtocolError("the node closed the connection: wrong cluster secret?")
-    if not hmac.compare_digest(ok.proof, proof(secret, b"node", mine)):
+            raise ProtocolError(f"the node closed the connection: wrong cluster secret, "
+                                f"or it does not serve device {device}?")
+    if not hmac.compare_digest(ok.proof, proof(secret, b"node", mine, device)):
         raise ProtocolError("the node failed to prove the cluster secret")
 
 

@@ -214,7 +214,7 @@ class NodeServer:
                 sock = await wrap(sock, self.tls, server=True)
             conn = Connection(sock, HANDSHAKE_BUFFER, max_header=HANDSHAKE_FRAME,
                               max_payload=0)
-            await server_handshake(conn, self.secret)
+            await server_handshake(conn, self.secret, self.stores)
             return conn
         except BaseException as e:
             sock.close()

@@ -145,7 +145,9 @@ class TcpTransport:
                 raise
             conn = Connection(sock, CLIENT_BUFFER)
             try:
-                await client_handshake(conn, self.secret)
+                # (a device of this node's: the proof is good for this node alone)
+                await client_handshake(conn, self.secret, min(
+                    (d for d, n in self.device_node.items() if n is node), default=0))
             except BaseException:
                 conn.close()
                 raise

@@ -256,10 +256,11 @@ class Control:
                  if v.kind == "branch" and v.name == branch]
         for view in views:
             for sub in subs:
-                if sub.startswith(b"d/"):
-                    await notify.entry(view.id << VIEW_SHIFT | int(sub[2:18], 16), sub[19:])
+                if sub.startswith(keys.DENTRY_PREFIX):
+                    parent, name = keys.dentry_of(sub)
+                    await notify.entry(view.id << VIEW_SHIFT | parent, name)
                 else:
-                    await notify.inode(view.id << VIEW_SHIFT | int(sub[2:18], 16))
+                    await notify.inode(view.id << VIEW_SHIFT | keys.ino_of(sub))
 
     async def run(self, op: str, args: dict):
         """Run request ``op`` with ``args`` (checked by check_request)."""

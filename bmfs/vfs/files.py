@@ -712,15 +712,15 @@ class Files:
         An orphan record names the mount holding the inode; one whose mount still has
         its leased ``m/`` record (another live mount of an etcd volume) is left alone.
         """
-        prefix = b"o/"
         shared = self.fs.defers_free(view)
         now, seen, live = trio.current_time(), {}, set()
         if shared:  # the mounts with a live record, this one aside
-            live = {k[2:].decode(errors="replace") for k, _ in await self.kv.range(b"m/", b"m0")}
+            live = {keys.mount_id_of(k)
+                    for k, _ in await self.kv.range(*keys.span(keys.MOUNT_PREFIX))}
             live.discard(self.fs.mount_id)
         due = []  # (ino, layer, expect): freed together at the end (_free_orphans)
-        for k, owner in await self.kv.range(prefix, prefix + b"\xff"):
-            lay, ino = (int(x, 16) for x in k[2:].split(b"/"))
+        for k, owner in await self.kv.range(*keys.span(keys.ORPHAN_PREFIX)):
+            lay, ino = keys.orphan_of(k)
             if lay not in view.chain.layers or (view.chain.top, lay, ino) in self._freed_here:
                 continue
             if shared:
@@ -777,8 +777,8 @@ class Files:
         view = self.fs.views.get(0)
         if view is None or not self.fs.defers_free(view) or not self.open_files:
             return
-        for k, record in await self.kv.range(b"o/", b"o0"):
-            lay, ino = (int(x, 16) for x in k[2:].split(b"/"))
+        for k, record in await self.kv.range(*keys.span(keys.ORPHAN_PREFIX)):
+            lay, ino = keys.orphan_of(k)
             try:
                 await self.claim_if_open(lay, ino, record)
             except FsError as e:  # the sweep tries again

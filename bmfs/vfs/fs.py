@@ -18,8 +18,8 @@ import time
 import trio
 
 from ..config import MAX_NAME
-from ..errors import (CrossDevice, Exists, FsError, Invalid, IsDir, NameTooLong, NoAttr, NotDir,
-                      NotEmpty, NotFound, NotSupported, Perm, Range, ReadOnly)
+from ..errors import (CrossDevice, Exists, FsError, Invalid, IsDir, MetaDamaged, NameTooLong,
+                      NoAttr, NotDir, NotEmpty, NotFound, NotSupported, Perm, Range, ReadOnly)
 from ..lru import LRU
 from ..meta import keys
 from ..meta import namespace as ns
@@ -255,12 +255,25 @@ class FileSystem:
             await self._dir(txn, view.chain, ino)  # ENOTDIR rather than ENOENT
             await self.kv.prefetch(keys.dir_prefix(ino))  # creates follow: see KV.prefetch
             raise NotFound()
-        return await self.getattr(self.join(view, ent[0]))
+        fino = self.join(view, ent[0])
+        try:
+            return await self.getattr(fino)
+        except NotFound:
+            # the entry was removed meanwhile (another mount), or it names a record
+            # that is not there: damage, which must not pass for a missing name
+            await self.kv.barrier()  # (a shared volume's cache: see the removal)
+            if await ns.lookup(self.kv.begin(), view.chain, ino, name) == ent:
+                raise MetaDamaged(f"damaged metadata: directory entry {name!r} of inode {ino} "
+                                  f"names inode {ent[0]}, which has no record") from None
+            raise
 
     async def readlink(self, fino: int) -> bytes:
         view, ino = self.split(fino)
-        t = await ns.get_symlink(self.kv.begin(), view.chain, ino)
+        txn = self.kv.begin()
+        t = await ns.get_symlink(txn, view.chain, ino)
         if t is None:
+            if stat.S_ISLNK((await self._get(txn, view.chain, ino)).mode):
+                raise MetaDamaged(f"damaged metadata: symlink {ino} has no target record")
             raise Invalid("not a symlink")
         return t
 

@@ -22,7 +22,7 @@ from ..format import fragment as fr
 from ..errors import MetaDamaged
 from ..kv import seal
 from ..meta import keys
-from ..meta.layers import Chain, lscan
+from ..meta.layers import Chain, lscan, split
 from ..meta.records import EC, NO_DEVICE, Inode, Stripe, unpack_dentry, unpack_slices
 from ..meta.namespace import ROOT
 from ..transport import DeviceError
@@ -33,9 +33,9 @@ RECORDS_PAGE = 1000  # records read at a time by check_records
 
 async def live_trees(kv, views) -> list[tuple[str, Chain]]:
     trees = []
-    for prefix, kind in ((b"b/", "branch"), (b"n/", "snapshot")):
-        for k, v in await kv.range(prefix, prefix + b"\xff"):
-            name = k[2:].decode()
+    for prefix, kind in ((keys.BRANCH_PREFIX, "branch"), (keys.SNAPSHOT_PREFIX, "snapshot")):
+        for k, v in await kv.range(*keys.span(prefix)):
+            name = keys.tree_name_of(k)
             rec = json.loads(v)
             top = rec["head"] if kind == "branch" else rec["layer"]
             trees.append((f"{kind} {name}", await views.chain_from(top, name if kind == "branch" else None)))
@@ -44,14 +44,14 @@ async def live_trees(kv, views) -> list[tuple[str, Chain]]:
 
 async def check_tree(kv, label: str, chain: Chain, problems: list[str]) -> None:
     txn = kv.begin()
-    inodes = {int(sub[2:], 16): Inode.unpack(v) for sub, v in await lscan(txn, chain, b"i/")}
-    entries = await lscan(txn, chain, b"d/")
+    inodes = {keys.ino_of(sub): Inode.unpack(v)
+              for sub, v in await lscan(txn, chain, keys.INODE_PREFIX)}
+    entries = await lscan(txn, chain, keys.DENTRY_PREFIX)
     names = Counter()
     subdirs = Counter()
     children = defaultdict(list)
     for sub, v in entries:
-        parent = int(sub[2:18], 16)
-        name = sub[19:]
+        parent, name = keys.dentry_of(sub)
         ino, fmt = unpack_dentry(v)
         children[parent].append(ino)
         if parent not in inodes:
@@ -68,7 +68,7 @@ async def check_tree(kv, label: str, chain: Chain, problems: list[str]) -> None:
             if inodes[ino].parent != parent:
                 problems.append(f"{label}: directory {ino} records parent "
                                 f"{inodes[ino].parent}, is in {parent}")
-    orphans = {int(k.split(b"/")[2], 16) for k, _ in await kv.range(b"o/", b"o0")}
+    orphans = {keys.orphan_of(k)[1] for k, _ in await kv.range(*keys.span(keys.ORPHAN_PREFIX))}
     for ino, i in inodes.items():
         if ino == ROOT:
             continue
@@ -86,8 +86,8 @@ async def check_tree(kv, label: str, chain: Chain, problems: list[str]) -> None:
         problems.append(f"{label}: the root directory is missing")
     elif inodes[ROOT].nlink != 2 + subdirs[ROOT]:
         problems.append(f"{label}: root nlink {inodes[ROOT].nlink}, expected {2 + subdirs[ROOT]}")
-    for sub, v in await lscan(txn, chain, b"c/"):
-        ino = int(sub[2:18], 16)
+    for sub, v in await lscan(txn, chain, keys.CHUNK_PREFIX):
+        ino, index = keys.chunk_of(sub)
         if ino not in inodes:
             problems.append(f"{label}: slices of missing inode {ino}")
             continue
@@ -96,7 +96,7 @@ async def check_tree(kv, label: str, chain: Chain, problems: list[str]) -> None:
         # the size is not: a sparse file looks the same)
         end = max((s.pos + s.length for s in unpack_slices(v) if s.sid and s.length),
                   default=0)
-        if end and int(sub[19:], 16) * keys.CHUNK_SIZE + end > inodes[ino].size:
+        if end and index * keys.CHUNK_SIZE + end > inodes[ino].size:
             problems.append(f"{label}: inode {ino} has data past its size "
                             f"{inodes[ino].size}")
 
@@ -107,8 +107,8 @@ async def check_refs(kv, live_layers: set[int], problems: list[str],
     trees' layers are still to collect (v/collect-layers): their slice lists still
     hold their references, and are not a problem."""
     counts = Counter()
-    for k, v in await kv.range(b"c/", b"c0"):
-        lay = int(k[-8:], 16)
+    for k, v in await kv.range(*keys.span(keys.CHUNK_PREFIX)):
+        lay = split(k)[1]
         if lay not in live_layers and not collecting:
             problems.append(f"slice list {k!r} belongs to a layer no tree uses")
             continue
@@ -116,8 +116,8 @@ async def check_refs(kv, live_layers: set[int], problems: list[str],
             for sid in {s.sid for s in unpack_slices(v[1:])} - {0}:
                 counts[sid] += 1
     stripes = {}
-    for k, v in await kv.range(b"t/", b"t0"):
-        sid = int(k[2:], 16)
+    for k, v in await kv.range(*keys.span(keys.STRIPE_PREFIX)):
+        sid = keys.stripe_of(k)
         st = Stripe.unpack(v)
         stripes[sid] = st
         if st.refs != counts.get(sid, 0):
@@ -133,8 +133,9 @@ async def check_fragments(volume, stripes: dict[int, Stripe], full: bool, repair
                           problems: list[str], notes: list[str]) -> None:
     data = volume.data
     expected = defaultdict(set)
-    queued = {int(k[2:], 16): Stripe.unpack(v) for k, v in await volume.kv.range(b"g/", b"g0")}
-    damaged = {(int(k[2:18], 16), int(k[19:], 16)) for k, _ in await volume.kv.range(b"h/", b"h0")}
+    queued = {keys.stripe_of(k): Stripe.unpack(v)
+              for k, v in await volume.kv.range(*keys.span(keys.GARBAGE_PREFIX))}
+    damaged = {keys.damage_of(k) for k, _ in await volume.kv.range(*keys.span(keys.DAMAGE_PREFIX))}
     for sid, st in list(stripes.items()) + list(queued.items()):
         if st.kind != EC:
             continue

@@ -15,22 +15,19 @@ BATCH = 1000  # stripes a collect() call deletes by default
 
 async def collect(volume, limit: int = BATCH) -> int:
     """Delete the fragments of up to ``limit`` queued stripes; returns how many."""
-    rows = await volume.kv.range(b"g/", b"g0", limit)
+    rows = await volume.kv.range(*keys.span(keys.GARBAGE_PREFIX), limit)
     for k, raw in rows:
-        sid = int(k[2:], 16)
+        sid = keys.stripe_of(k)
         await volume.data.delete_stripe(sid, Stripe.unpack(raw))
         txn = volume.kv.begin()
         txn.delete(k)
-        for dk, _ in await volume.kv.range(b"h/%016x/" % sid, b"h/%016x0" % sid):
+        for dk, _ in await volume.kv.range(*keys.span(keys.damage_prefix(sid))):
             txn.delete(dk)
         await volume.kv.commit(txn)
     return len(rows)
 
 
 __all__ = ["collect", "keys"]
-
-
-MOUNTED = b"v/mounted"  # present while a single-owner volume is mounted
 
 
 async def sweep_leaked(volume) -> int:
@@ -56,11 +53,11 @@ async def sweep_leaked(volume) -> int:
             continue
     in_flight = set(volume.data.uncommitted)
     owned: dict[int, set[str]] = {}
-    for prefix in (b"t/", b"g/"):
-        for k, v in await volume.kv.range(prefix, prefix[:1] + b"0"):
+    for prefix in (keys.STRIPE_PREFIX, keys.GARBAGE_PREFIX):
+        for k, v in await volume.kv.range(*keys.span(prefix)):
             st = Stripe.unpack(v)
             for i, dev in enumerate(st.devices):
-                owned.setdefault(dev, set()).add(fr.fragment_name(int(k[2:], 16), i))
+                owned.setdefault(dev, set()).add(fr.fragment_name(keys.stripe_of(k), i))
     deleted = 0
     for dev, names in listed.items():
         for name in names:
@@ -78,10 +75,10 @@ async def begin_session(volume) -> int:
     if not volume.kv.single_writer:
         return 0
     swept = 0
-    if await volume.kv.get(MOUNTED) is not None:
+    if await volume.kv.get(keys.MOUNTED) is not None:
         swept = await sweep_leaked(volume)
     txn = volume.kv.begin()
-    txn.put(MOUNTED, b"1")
+    txn.put(keys.MOUNTED, b"1")
     await volume.kv.commit(txn)
     return swept
 
@@ -89,5 +86,5 @@ async def begin_session(volume) -> int:
 async def end_session(volume) -> None:
     if volume.kv.single_writer:
         txn = volume.kv.begin()
-        txn.delete(MOUNTED)
+        txn.delete(keys.MOUNTED)
         await volume.kv.commit(txn)

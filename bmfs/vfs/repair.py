@@ -67,16 +67,17 @@ def busy(volume) -> bool:
 
 async def _queued(volume) -> dict[int, set[int]]:
     out: dict[int, set[int]] = {}
-    for k, _ in await volume.kv.range(b"h/", b"h0"):
-        out.setdefault(int(k[2:18], 16), set()).add(int(k[19:], 16))
+    for k, _ in await volume.kv.range(*keys.span(keys.DAMAGE_PREFIX)):
+        sid, index = keys.damage_of(k)
+        out.setdefault(sid, set()).add(index)
     return out
 
 
 async def _stripes(volume):
-    for k, v in await volume.kv.range(b"t/", b"t0"):
+    for k, v in await volume.kv.range(*keys.span(keys.STRIPE_PREFIX)):
         st = Stripe.unpack(v)
         if st.kind == EC:
-            yield int(k[2:], 16), st
+            yield keys.stripe_of(k), st
 
 
 def _bad(volume, st: Stripe, queued: set[int], avoid: set[int]) -> list[int]:
@@ -459,7 +460,7 @@ async def _wait_for_mounts(volume, seq: int, timeout: float = MOUNTS_TIMEOUT) ->
     start = trio.current_time()
     while True:
         behind, older, confirmed = [], 0, 0
-        for _, raw in await volume.kv.range(b"m/", b"m0"):
+        for _, raw in await volume.kv.range(*keys.span(keys.MOUNT_PREFIX)):
             try:
                 rec = json.loads(raw)
                 seen = int(rec["devices"]) if "devices" in rec else None

@@ -133,7 +133,7 @@ async def leads_repair(fs) -> bool:
     it replaced (vfs/repair.py)."""
     mine = keys.mount(fs.mount_id)
     oldest = None
-    for k, v in await fs.kv.range(b"m/", b"m0"):
+    for k, v in await fs.kv.range(*keys.span(keys.MOUNT_PREFIX)):
         try:
             started = float(json.loads(v).get("started", 0))
         except (ValueError, TypeError, AttributeError):

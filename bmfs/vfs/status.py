@@ -15,13 +15,14 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
     devices = []
     counts = {}
     usage = await volume.device_usage(max_age=0)
-    queued = {k[2:18] for k, _ in await volume.kv.range(b"h/", b"h0")}
+    queued = {keys.damage_of(k)[0]
+              for k, _ in await volume.kv.range(*keys.span(keys.DAMAGE_PREFIX))}
     short = 0  # stripes a repair pass would find short of full redundancy
-    for k, v in await volume.kv.range(b"t/", b"t0"):
+    for k, v in await volume.kv.range(*keys.span(keys.STRIPE_PREFIX)):
         st = Stripe.unpack(v)
         for dev in st.devices:
             counts[dev] = counts.get(dev, 0) + 1
-        if st.kind == EC and (k[2:] in queued or volume.data.needs_repair(st) or any(
+        if st.kind == EC and (keys.stripe_of(k) in queued or volume.data.needs_repair(st) or any(
                 isinstance(usage.get(d), Exception) for d in st.devices)):
             short += 1
     for dev, path in sorted(volume.device_paths.items()):
@@ -47,11 +48,13 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
         for name, rec in nodes.items():
             if d["id"] in rec.get("devices", []):
                 d["membership"] = {"node": name, "heartbeat": rec["heartbeat"]}
-    pending_repair = len(await volume.kv.range(b"h/", b"h0"))  # (fragments)
-    gc_queue = len(await volume.kv.range(b"g/", b"g0"))
+    pending_repair = len(await volume.kv.range(*keys.span(keys.DAMAGE_PREFIX)))  # (fragments)
+    gc_queue = len(await volume.kv.range(*keys.span(keys.GARBAGE_PREFIX)))
     collecting = await volume.kv.get(keys.COLLECT_LAYERS) is not None
-    branches = [k[2:].decode() for k, _ in await volume.kv.range(b"b/", b"b0")]
-    snapshots = [k[2:].decode() for k, _ in await volume.kv.range(b"n/", b"n0")]
+    branches = [keys.tree_name_of(k)
+                for k, _ in await volume.kv.range(*keys.span(keys.BRANCH_PREFIX))]
+    snapshots = [keys.tree_name_of(k)
+                 for k, _ in await volume.kv.range(*keys.span(keys.SNAPSHOT_PREFIX))]
     return {"volume": os.path.abspath(volume.path), "uuid": s.uuid, "ec": f"{s.k}+{s.m}",
             "format": s.format, "stripe_size": s.stripe_size, "inline_max": s.inline_max,
             "meta": volume.kv.url, "meta_engine": volume.kv.statistics(), "devices": devices,

@@ -262,7 +262,7 @@ def tighten(path: str, info: dict, records: dict[int, dict]) -> list[str]:
 async def device_records(kv) -> dict[int, dict]:
     """Every device record (removed ones too): device id -> its record. ``kv`` is the
     engine, or a transaction (whose commit then compares them)."""
-    return {int(k[len(keys.DEVICE_PREFIX):], 16): json.loads(v)
+    return {keys.device_of(k): json.loads(v)
             for k, v in await kv.range(keys.DEVICE_PREFIX, keys.DEVICE_PREFIX + b"\xff")}
 
 

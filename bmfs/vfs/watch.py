@@ -38,23 +38,14 @@ import trio
 
 from ..errors import FsError
 from ..meta import keys
+from ..meta.layers import layered
 from ..meta.records import Inode
 from .views import CTL_BRANCHES, CTL_SNAPSHOTS, VIEW_SHIFT
 
 log = logging.getLogger(__name__)
-WATCH_START, WATCH_END = b"b/", b"o0"   # b/ c/ d/ ... i/ ... l/ m/ n/ o/
+WATCH_START, WATCH_END = keys.BRANCH_PREFIX, keys.span(keys.ORPHAN_PREFIX)[1]  # b/ c/ ... o/
 BATCH = 4096                            # changes handled (and deduplicated) together
 RETRY_DELAY = 1.0
-
-
-def _layered(key: bytes) -> tuple[bytes, int] | None:
-    """``(SUB, layer)`` of a layered key, or None if it is not one."""
-    if len(key) < 11 or key[-9:-8] != b"@":
-        return None
-    try:
-        return key[:-9], int(key[-8:], 16)
-    except ValueError:
-        return None
 
 
 async def watch_devices(fs) -> None:
@@ -144,31 +135,32 @@ class Watcher:
         claims: list[tuple[bytes, bytes]] = []  # orphan records put by other mounts
         tops = self._tops()
         for key, value in batch:
-            kind = key[:2]
-            if kind in (b"b/", b"n/"):
+            kind = keys.kind(key)
+            if kind in (keys.BRANCH_PREFIX, keys.SNAPSHOT_PREFIX):
                 # apply what came before under the old views, then move the views
                 await self._flush(inodes, entries)
-                await self._tree_changed(kind, key[2:], value)
+                await self._tree_changed(kind, keys.tree_name_of(key).encode(), value)
                 tops = self._tops()
                 continue
-            if kind == b"o/":
+            if kind == keys.ORPHAN_PREFIX:
                 if value is not None:
                     claims.append((key, value))
                 continue
-            if kind not in (b"i/", b"d/", b"c/"):
+            if kind not in (keys.INODE_PREFIX, keys.DENTRY_PREFIX, keys.CHUNK_PREFIX):
                 continue
-            split = _layered(key)
+            split = layered(key)
             if split is None or split[1] not in tops:
                 continue
             sub, lay = split
             for view_id in tops[lay]:
                 base = view_id << VIEW_SHIFT
-                if kind == b"d/":
-                    entries.add((base | int(sub[2:18], 16), sub[19:]))
+                if kind == keys.DENTRY_PREFIX:
+                    parent, name = keys.dentry_of(sub)
+                    entries.add((base | parent, name))
                     continue
-                fino = base | int(sub[2:18], 16)
+                fino = base | keys.ino_of(sub)
                 evict = True
-                if kind == b"i/" and value is not None and value[:1] == keys.LIVE:
+                if kind == keys.INODE_PREFIX and value is not None and value[:1] == keys.LIVE:
                     evict = not Inode.unpack(value[1:]).is_dir()
                 inodes[fino] = inodes.get(fino, False) or evict
         await self._flush(inodes, entries)
@@ -176,7 +168,7 @@ class Watcher:
             # a file another mount unlinked (or let go of): if it is open here, say so
             # now, long before the sweep would free it (Files.claim_if_open)
             try:
-                lay, ino = (int(x, 16) for x in key[2:].split(b"/"))
+                lay, ino = keys.orphan_of(key)
             except ValueError:
                 continue
             try:
@@ -210,7 +202,7 @@ class Watcher:
             if old is not None and new[len(new) - len(old):] != old:
                 await self._notify("invalidate_view", view.id)
         if value is None:  # deleted: the kernel may still hold /.bm/<kind>/NAME
-            parent = CTL_BRANCHES if kind == b"b/" else CTL_SNAPSHOTS
+            parent = CTL_BRANCHES if kind == keys.BRANCH_PREFIX else CTL_SNAPSHOTS
             await self._notify("invalidate", {}, {(parent, name)})
 
     async def _notify(self, method: str, *args) -> None:

@@ -351,6 +351,7 @@ def test_big_file_freed_in_batches(tmp_path, monkeypatch):
 # -- etcd's history under churn (bmfs/kv/etcd_compact.py) ----------------------------------
 QUOTA = 4 << 20  # etcd's --quota-backend-bytes for these tests: the churn below writes
 #                  about 2.5 times as much history (8 KiB files live inline in etcd)
+PACE = 0.5  # seconds a round of the churn takes at least: the compaction interval set
 
 
 def _churn(mp, rounds: int, sizes: list, cluster, held: list | None = None) -> None:
@@ -363,16 +364,21 @@ def _churn(mp, rounds: int, sizes: list, cluster, held: list | None = None) -> N
     fd = os.open(f"{mp}/d", os.O_RDONLY)
 
     def fsync():
-        for _ in range(5):
+        for _ in range(20):
             try:
                 return os.fsync(fd)
             except OSError as e:
                 if held is None or e.errno != errno.EIO:
                     raise
                 held.append(e)
+                time.sleep(0.5)  # (the upkeep clears the alarm in its next round)
         os.fsync(fd)
     try:
         for r in range(rounds):
+            # a steady churn, not a burst: a round takes no less than the compaction
+            # interval (on an idle machine it takes a tenth of it, and the window's
+            # history alone would then reach the quota)
+            began = time.monotonic()
             for i in range(20):
                 with open(f"{mp}/d/f{i}", "wb") as f:
                     f.write(data)
@@ -382,6 +388,7 @@ def _churn(mp, rounds: int, sizes: list, cluster, held: list | None = None) -> N
             fsync()
             if r % 5 == 4:
                 sizes.append(int(cluster.status(0)["dbSize"]))
+            time.sleep(max(0.0, PACE - (time.monotonic() - began)))
     finally:
         os.close(fd)
 

@@ -528,12 +528,15 @@ class _Paths:
         return await self.file_path(txn, keys.ino_of(sub))
 
 
-def _only_read_since(sub: bytes, va: bytes | None, vb: bytes | None) -> bool:
-    """Whether two versions of an inode record differ in their atime alone: a file
-    read (relatime), not changed."""
-    if va is None or vb is None or keys.inode_of(sub) is None:
+def _same_but_read(sub: bytes, a: bytes | None, b: bytes | None) -> bool:
+    """Whether two versions of a key are the same, or, for an inode record, differ in
+    their atime alone: the file was read (relatime), not changed. Diffs and merges
+    take such an inode for unchanged."""
+    if a == b:
+        return True
+    if a is None or b is None or not sub.startswith(keys.INODE_PREFIX):
         return False
-    ia, ib = Inode.unpack(va), Inode.unpack(vb)
+    ia, ib = Inode.unpack(a), Inode.unpack(b)
     ib.atime_ns = ia.atime_ns
     return ia == ib
 
@@ -549,7 +552,7 @@ async def op_diff(kv, a: str, b: str) -> dict:
     added, removed, changed = set(), set(), set()
     for sub in sorted(subs):
         va, vb = await lget(txn, ca, sub), await lget(txn, cb, sub)
-        if va == vb or _only_read_since(sub, va, vb):
+        if _same_but_read(sub, va, vb):
             continue
         if sub.startswith(keys.DENTRY_PREFIX):
             if va is None:
@@ -655,9 +658,9 @@ class _Merge:
         for sub in subs:
             sv, bv, tv = (await self.val(self.cs, sub), await lget(self.txn, self.base, sub),
                           await self.val(self.ct, sub))
-            if sv == bv or sv == tv:
+            if _same_but_read(sub, sv, bv) or sv == tv:
                 continue
-            if tv == bv:
+            if _same_but_read(sub, tv, bv):
                 self._plan(sub, sv)
                 continue
             if sub.startswith(keys.INODE_PREFIX) and sv and tv and bv:

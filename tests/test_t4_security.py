@@ -18,16 +18,50 @@ from mountutil import BMFS, Mounted, bmfs, mkfs
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
 
-def as_nobody(*cmd, groups: str | None = None) -> subprocess.CompletedProcess:
+def as_nobody(*cmd, groups: str | None = None,
+              pythonpath: str | None = None) -> subprocess.CompletedProcess:
     """``cmd`` run as nobody (with the supplementary ``groups``, if given)."""
     who = NOBODY if groups is None else NOBODY[:2] + [f"--groups={groups}"]
+    path = os.environ.get("PYTHONPATH", "") if pythonpath is None else pythonpath
     return subprocess.run(who + [str(c) for c in cmd], capture_output=True, text=True,
-                          errors="replace",
-                          env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+                          errors="replace", env={**os.environ, "PYTHONPATH": path})
+
+
+_NOBODYS_BMFS: list = []  # [(command, PYTHONPATH)] once made
+
+
+def _nobodys_bmfs() -> tuple[list[str], str]:
+    """How nobody runs the `bmfs` of this checkout. A checkout in a private directory
+    (a clone in /root, as on a fresh machine) is out of nobody's reach, and so is its
+    virtualenv: then the package and the virtualenv's site-packages are copied once
+    to a directory nobody can read, and run by the interpreter the virtualenv is of."""
+    if _NOBODYS_BMFS:
+        return _NOBODYS_BMFS[0]
+    if as_nobody(*BMFS, "--version").returncode == 0:
+        _NOBODYS_BMFS.append((BMFS, os.environ.get("PYTHONPATH", "")))
+        return _NOBODYS_BMFS[0]
+    import atexit
+    import site
+    import bmfs as package
+    top = tempfile.mkdtemp(dir="/var/tmp", prefix="bmfs-nobody-")
+    atexit.register(shutil.rmtree, top, True)
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(os.path.dirname(package.__file__), f"{top}/code/bmfs", ignore=skip)
+    shutil.copytree(next(p for p in site.getsitepackages() if p.startswith(sys.prefix)),
+                    f"{top}/site", ignore=skip, symlinks=True)
+    for root, dirs, files in os.walk(top):
+        os.chmod(root, 0o755)
+        for f in files:
+            if not os.path.islink(os.path.join(root, f)):
+                os.chmod(os.path.join(root, f), 0o644)
+    _NOBODYS_BMFS.append(([sys._base_executable, "-m", "bmfs.cli.main"],
+                          f"{top}/code:{top}/site"))
+    return _NOBODYS_BMFS[0]
 
 
 def bmfs_as_nobody(*args, groups: str | None = None) -> subprocess.CompletedProcess:
-    return as_nobody(*BMFS, *args, groups=groups)
+    cmd, path = _nobodys_bmfs()
+    return as_nobody(*cmd, *args, groups=groups, pythonpath=path)
 
 
 @pytest.fixture

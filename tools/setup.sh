@@ -10,7 +10,7 @@ ROOT=$(pwd)
 APT="python3 python3-venv python3-dev gcc pkg-config libfuse3-dev fuse3 \
      liberasurecode-dev libisal-dev libpmem1 attr procps ca-certificates"
 [ "${1:-}" = "--test" ] && APT="$APT etcd-server fio rsync git tar stress-ng iproute2 psmisc \
-  protobuf-compiler flatbuffers-compiler util-linux"
+  protobuf-compiler flatbuffers-compiler util-linux curl"
 missing=""
 for p in $APT; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"

@@ -16,6 +16,17 @@ from bmfs.kv.seal import SEAL_BYTES, is_sealed
 from bmfs.meta import keys
 
 
+def _previous(k: bytes, v: bytes, fmt: int) -> bytes:
+    """Sealed value ``v`` of key ``k`` as revision ``fmt`` stored it."""
+    assert is_sealed(k, v), k
+    raw = v[:-SEAL_BYTES]
+    if k == keys.SETTINGS:
+        d = json.loads(raw)
+        d["format"] = fmt
+        raw = json.dumps(d).encode()
+    return raw
+
+
 def to_previous_format(volume, fmt: int = 2) -> int:
     """Rewrite the SQLite metadata of ``volume`` (not mounted) as revision ``fmt``
     wrote it; returns the number of records."""
@@ -25,13 +36,7 @@ def to_previous_format(volume, fmt: int = 2) -> int:
     try:
         rows = db.execute("SELECT k, v FROM kv").fetchall()
         for k, v in rows:
-            assert is_sealed(k, v), k
-            raw = v[:-SEAL_BYTES]
-            if k == keys.SETTINGS:
-                d = json.loads(raw)
-                d["format"] = fmt
-                raw = json.dumps(d).encode()
-            db.execute("UPDATE kv SET v=? WHERE k=?", (raw, k))
+            db.execute("UPDATE kv SET v=? WHERE k=?", (_previous(k, v, fmt), k))
         db.commit()
     finally:
         db.close()
@@ -66,12 +71,6 @@ def etcd_to_previous_format(cluster, fmt: int = 2) -> int:
         k, v = base64.b64decode(r["key"]), base64.b64decode(r.get("value", ""))
         if k.startswith(b"\xff\xff\xff\xff"):
             continue
-        assert is_sealed(k, v), k
-        raw = v[:-SEAL_BYTES]
-        if k == keys.SETTINGS:
-            d = json.loads(raw)
-            d["format"] = fmt
-            raw = json.dumps(d).encode()
-        cluster.post(0, "/v3/kv/put", {"key": b64(k), "value": b64(raw)})
+        cluster.post(0, "/v3/kv/put", {"key": b64(k), "value": b64(_previous(k, v, fmt))})
         n += 1
     return n

@@ -15,7 +15,10 @@ import trio
 from bmfs.kv import open_kv
 from bmfs.kv import sqlite as engine
 from bmfs.kv.seal import seal
-from mountutil import Mounted, assert_fsck_clean
+import pytest
+
+from bmfs.errors import VolumeError
+from mountutil import Mounted, assert_fsck_clean, bmfs
 
 CRASHER = textwrap.dedent("""
     import os, sys, trio
@@ -64,7 +67,7 @@ def test_torn_log_gives_a_prefix_and_stale_records_are_not_replayed(tmp_path):
     subprocess.run([sys.executable, "-c", CRASHER, url], check=True)
     log = f"{tmp_path}/meta.db-redo"
     buf = open(log, "rb").read()
-    records = list(engine._records(buf))
+    records = engine._records(buf)[0]
     assert len(records) == 300
     # a power loss: the tail half written, and records of before a cut behind new ones
     # (the engine stores values sealed: bmfs/kv/seal.py)
@@ -80,6 +83,101 @@ def test_torn_log_gives_a_prefix_and_stale_records_are_not_replayed(tmp_path):
         assert await kv.range(b"k", b"l") == []
         await kv.aclose()
     trio.run(main)
+
+
+def _crashed_log(tmp_path) -> tuple[str, bytes, list[int]]:
+    """The CRASHER's volume: its URL, its redo log and the offset of each record."""
+    url = f"sqlite:{tmp_path}/meta.db"
+    subprocess.run([sys.executable, "-c", CRASHER, url], check=True)
+    buf = open(f"{tmp_path}/meta.db-redo", "rb").read()
+    offsets, pos = [], 0
+    while pos < len(buf):
+        offsets.append(pos)
+        pos += engine._REC.size + engine._REC.unpack_from(buf, pos)[0]
+    assert len(offsets) == 300
+    return url, buf, offsets
+
+
+def _open_and_read(url):
+    async def main():
+        kv = await open_kv(url)
+        try:
+            return dict(await kv.range(b"k", b"l"))
+        finally:
+            await kv.aclose()
+    return trio.run(main)
+
+
+def test_a_torn_tail_is_dropped_quietly(tmp_path, caplog):
+    """A crash mid-write leaves the last record short: replay drops it, no warning."""
+    url, buf, offsets = _crashed_log(tmp_path)
+    with open(f"{tmp_path}/meta.db-redo", "wb") as f:
+        f.write(buf[:len(buf) - 3])
+    got = _open_and_read(url)
+    assert got[b"k0298"] == b"v298" and b"k0299" not in got
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_damaged_last_record_is_dropped_with_a_warning(tmp_path, caplog):
+    """A whole last record that fails its checksum: the volume opens without it, and
+    the log says where and how much was dropped."""
+    url, buf, offsets = _crashed_log(tmp_path)
+    bad = bytearray(buf)
+    bad[offsets[-1] + engine._REC.size + engine._BODY.size + 2] ^= 0x10
+    with open(f"{tmp_path}/meta.db-redo", "wb") as f:
+        f.write(bad)
+    got = _open_and_read(url)
+    assert got[b"k0298"] == b"v298" and b"k0299" not in got
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1, warned
+    assert f"offset {offsets[-1]}" in warned[0]
+    assert f"last {len(buf) - offsets[-1]} bytes" in warned[0]
+
+
+@pytest.mark.parametrize("where", ["body", "length"])
+def test_a_damaged_record_before_valid_ones_refuses_to_open(tmp_path, where):
+    """A damaged record in the middle of the log: replaying up to it would drop the
+    commits after it, which were acknowledged. Opening is refused, naming the offset;
+    the log and the database are left as they were."""
+    url, buf, offsets = _crashed_log(tmp_path)
+    bad = bytearray(buf)
+    at = offsets[150]
+    bad[at + (engine._REC.size + engine._BODY.size + 1 if where == "body" else 1)] ^= 0x40
+    with open(f"{tmp_path}/meta.db-redo", "wb") as f:
+        f.write(bad)
+    with pytest.raises(VolumeError) as e:
+        _open_and_read(url)
+    assert f"record at offset {at} is damaged" in str(e.value)
+    assert open(f"{tmp_path}/meta.db-redo", "rb").read() == bad  # not cut
+    # cutting the log where the message says opens the commits before the damage
+    os.truncate(f"{tmp_path}/meta.db-redo", at)
+    got = _open_and_read(url)
+    assert got[b"k0148"] == b"v148" and b"k0150" not in got
+
+
+def test_mount_and_fsck_refuse_a_log_damaged_in_the_middle(volume, tmp_path):
+    """On a volume: `bmfs mount` and `bmfs fsck` say it in one line, exit 2."""
+    mp = tmp_path / "mnt"
+    with Mounted(volume, mp) as m:
+        for i in range(50):
+            os.mkdir(os.path.join(m.mp, f"d{i}"))
+        m.kill9()
+    log = os.path.join(volume, "meta.db-redo")
+    buf = open(log, "rb").read()
+    records = engine._records(buf)[0]
+    assert len(records) >= 40
+    bad = bytearray(buf)
+    at = len(buf) // 2
+    bad[at] ^= 0xFF  # inside some record in the middle
+    with open(log, "wb") as f:
+        f.write(bad)
+    for cmd in (["fsck", volume], ["mount", mp, "--volume", volume]):
+        res = bmfs(*cmd, check=False)
+        assert res.returncode == 2, (cmd, res.stdout, res.stderr)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and "is damaged and valid records follow it" in lines[0] \
+            and "meta.db-redo" in lines[0] and "Traceback" not in res.stderr, res.stderr
+    assert open(log, "rb").read() == bad
 
 
 def test_reads_merge_pending_commits(tmp_path):

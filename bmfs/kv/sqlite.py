@@ -25,7 +25,10 @@ back only then, once everything it holds is durable in SQLite, so after a power 
 replaying it (from the start, stopping at the first torn record) restores a prefix
 of the commits: SQLite's state is always a prefix of the log's, and replay rewrites
 whole values in order, so replaying records already applied changes nothing. Opening
-the database replays the log (also in `bmfs fsck`).
+the database replays the log (also in `bmfs fsck`). A damaged record with valid newer
+ones after it is refused rather than replayed past or dropped (``_records``); a power
+loss that kept a later page of the log but not an earlier one looks the same, and is
+refused too: the operator decides to cut the log there.
 
 WAL mode with ``synchronous=NORMAL`` underneath. One process owns the database (an
 exclusive lock file), so the optimistic compare-and-swap never conflicts across
@@ -65,6 +68,9 @@ LOG_MAX = 64 << 20  # a redo log this large is cut back (apply, fsync the WAL) a
 _REC = struct.Struct("<II")  # record: body length, crc32c of the body; body follows
 _BODY = struct.Struct("<QI")  # body: revision, number of entries; entries follow
 _ENTRY = struct.Struct("<II")  # entry: key length, value length + 1 (0: a delete)
+# revisions after the last one replayed that a search past a damaged record looks for:
+# more records than that damaged in a row go unnoticed (replay stops at the first)
+RESYNC_REVS = 256
 
 
 def _record(rev: int, writes: dict) -> bytes:
@@ -78,20 +84,32 @@ def _record(rev: int, writes: dict) -> bytes:
     return _REC.pack(len(body), crc32c(body)) + body
 
 
-def _records(buf: bytes):
-    """``(rev, [(key, value or None)])`` of each intact record, up to the first torn
-    or damaged one (a power loss can leave the log's tail unwritten), or the first
-    whose revision does not follow (records of before a cut that a power loss left
-    behind the new ones: already in SQLite, and older)."""
-    pos, last = 0, -1
-    while pos + _REC.size <= len(buf):
+def _records(buf: bytes, floor: int = 0, name: str = "the redo log") -> tuple[list, int, str]:
+    """The intact records at the head of the log, ``[(rev, [(key, value or None)])]``,
+    the offset where they end, and why they end there: ``"end"`` (all of it read),
+    ``"torn"`` (a last record whose length runs past the end: a write cut short by a
+    crash), ``"stale"`` (a record whose revision does not follow: one of before a
+    cut, left behind the new ones by a power loss; already in SQLite, and older), or
+    ``"damaged"`` (a whole record that fails its crc32c).
+
+    Raises:
+        VolumeError: valid records newer than ``floor`` (SQLite's own revision) and
+            than those read follow a torn or damaged one: replaying the head alone
+            would silently drop commits that were acknowledged.
+    """
+    pos, last, out = 0, -1, []
+    while pos < len(buf):
+        if pos + _REC.size > len(buf):
+            why = "torn"
+            break
         n, crc = _REC.unpack_from(buf, pos)
         body = buf[pos + _REC.size:pos + _REC.size + n]
-        if len(body) != n or crc32c(body) != crc:
-            return
+        if len(body) != n or n < _BODY.size or crc32c(body) != crc:
+            why = "torn" if len(body) != n else "damaged"
+            break
         rev, count = _BODY.unpack_from(body)
         if rev <= last:
-            return
+            return out, pos, "stale"
         last = rev
         at, entries = _BODY.size, []
         for _ in range(count):
@@ -101,8 +119,36 @@ def _records(buf: bytes):
             at += klen
             entries.append((key, body[at:at + vlen - 1] if vlen else None))
             at += max(vlen - 1, 0)
-        yield rev, entries
+        out.append((rev, entries))
         pos += _REC.size + n
+    else:
+        return out, pos, "end"
+    after = _next_record(buf, pos + 1, max(last, floor))
+    if after is not None:
+        raise VolumeError(
+            f"{name}: the record at offset {pos} is damaged and valid records follow "
+            f"it (from offset {after}): refusing to drop committed metadata; to open "
+            f"the volume without the commits from offset {pos} on, cut the log there "
+            f"(truncate -s {pos} {name}) and run bmfs fsck")
+    return out, pos, why
+
+
+def _next_record(buf: bytes, start: int, floor: int) -> int | None:
+    """The offset of an intact record at or after ``start`` whose revision is among the
+    ``RESYNC_REVS`` after ``floor`` (the next ones a lost record would be followed by),
+    or None. Found by the revision's bytes, not by trying every offset: the log may
+    be tens of MiB."""
+    for rev in range(floor + 1, floor + 1 + RESYNC_REVS):
+        pattern = struct.pack("<Q", rev)
+        at = buf.find(pattern, start + _REC.size)
+        while at >= 0:
+            pos = at - _REC.size
+            n, crc = _REC.unpack_from(buf, pos)
+            if n >= _BODY.size and pos + _REC.size + n <= len(buf) and \
+                    crc32c(buf[at:at + n]) == crc:
+                return pos
+            at = buf.find(pattern, at + 1)
+    return None
 
 
 def _holds(keys: list[bytes], key: bytes) -> bool:
@@ -181,6 +227,9 @@ class SqliteKV(KV):
         except sqlite3.DatabaseError as e:
             os.close(lockfd)
             raise VolumeError(f"{path}: the metadata database cannot be read ({e})")
+        except BaseException:
+            os.close(lockfd)
+            raise
 
     @classmethod
     def _open(cls, url: str, path: str, lockfd: int) -> "SqliteKV":
@@ -199,10 +248,13 @@ class SqliteKV(KV):
         db.execute("PRAGMA cache_size=-65536")
         db.execute("CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, v BLOB NOT NULL, "
                    "rev INTEGER NOT NULL) WITHOUT ROWID")
+        kv = None
         try:
             kv = cls(url, db, lockfd, path)
             kv._replay()
         except BaseException:
+            if kv is not None:
+                os.close(kv._log)
             db.close()
             raise
         return kv
@@ -217,10 +269,24 @@ class SqliteKV(KV):
         return [f"metadata database {self._path}: {r[0]}" for r in rows if r[0] != "ok"]
 
     def _replay(self) -> None:
-        """Apply the redo log left by the last owner (it crashed, or lost power)."""
-        with os.fdopen(_open_own(self._path + "-redo", os.O_RDONLY), "rb") as f:
+        """Apply the redo log left by the last owner (it crashed, or lost power).
+
+        Raises:
+            VolumeError: a damaged record with valid newer ones after it.
+        """
+        log_path = self._path + "-redo"
+        with os.fdopen(_open_own(log_path, os.O_RDONLY), "rb") as f:
             buf = f.read()
-        for rev, entries in _records(buf):
+        records, end, why = _records(buf, self._rev, log_path)
+        if why == "damaged":
+            log.warning("metadata redo log %s: the record at offset %d fails its "
+                        "checksum; replay ends there, dropping its last %d bytes "
+                        "(%d records replayed)", log_path, end, len(buf) - end,
+                        len(records))
+        elif why != "end":
+            log.info("metadata redo log %s: %s record at offset %d: %d bytes not "
+                     "replayed", log_path, why, end, len(buf) - end)
+        for rev, entries in records:
             for key, value in entries:
                 self._remember(key, value, rev)
             self._rev = max(self._rev, rev)

@@ -575,23 +575,34 @@ async def op_diff(kv, a: str, b: str) -> dict:
 
 # Inode fields in a three-way merge. nlink and a directory's parent are not merged: they
 # follow from the merged entries. A name or xattr change moves ctime, so times take the
-# newest (a directory's mtime too: entries added on both sides); any other field, and a
-# file's mtime (its content), changed differently on both sides is a conflict.
+# newest (a directory's mtime too: entries added on both sides); any other field
+# changed differently on both sides is a conflict. A file's mtime is its content's: a
+# conflict when both sides changed the content (its chunks or size), the content
+# changer's when one did, the newest when neither did. (An mtime moves without a content
+# change: `touch`, and the kernel, which under the writeback cache keeps a file's mtime
+# itself and sends it to bmfs when it flushes the inode, at any later time: after a
+# branch was made, that is an mtime changed on the side that only set an xattr.)
 _OWN_FIELDS = ("mode", "uid", "gid", "size", "rdev", "mtime_ns")
 _NEWEST_FIELDS = ("atime_ns", "ctime_ns")
 
 
-def _merge_inode(s: Inode, b: Inode, t: Inode) -> tuple[Inode, list[str]]:
-    """The target's inode with the source's changes; and the fields both changed."""
+def _merge_inode(s: Inode, b: Inode, t: Inode, s_chunks: bool = False,
+                 t_chunks: bool = False) -> tuple[Inode, list[str]]:
+    """The target's inode with the source's changes; and the fields both changed.
+    ``s_chunks``, ``t_chunks``: whether that side changed a chunk of the file."""
     out, clash = t.copy(), []
+    s_data, t_data = s_chunks or s.size != b.size, t_chunks or t.size != b.size
     for f in _OWN_FIELDS + _NEWEST_FIELDS:
         sv, bv, tv = getattr(s, f), getattr(b, f), getattr(t, f)
         if sv == bv or sv == tv:
             continue
         if tv == bv:
             setattr(out, f, sv)
-        elif f in _NEWEST_FIELDS or (f == "mtime_ns" and t.is_dir()):
+        elif f in _NEWEST_FIELDS or (f == "mtime_ns" and (t.is_dir() or not s_data
+                                                          and not t_data)):
             setattr(out, f, max(sv, tv))
+        elif f == "mtime_ns" and s_data != t_data:
+            setattr(out, f, sv if s_data else tv)
         else:
             clash.append(f)
     return out, clash
@@ -655,6 +666,14 @@ class _Merge:
         return {"theirs": self.cs, "ours": self.ct}.get(self.strategy)
 
     async def by_key(self, subs) -> None:
+        # files whose chunks each side changed (their mtimes: _merge_inode)
+        rewrote: dict[str, set[int]] = {"s": set(), "t": set()}
+        for sub in subs:
+            if sub.startswith(keys.CHUNK_PREFIX):
+                bv = await lget(self.txn, self.base, sub)
+                for side, chain in (("s", self.cs), ("t", self.ct)):
+                    if await self.val(chain, sub) != bv:
+                        rewrote[side].add(keys.ino_of(sub))
         for sub in subs:
             sv, bv, tv = (await self.val(self.cs, sub), await lget(self.txn, self.base, sub),
                           await self.val(self.ct, sub))
@@ -664,8 +683,10 @@ class _Merge:
                 self._plan(sub, sv)
                 continue
             if sub.startswith(keys.INODE_PREFIX) and sv and tv and bv:
+                ino = keys.ino_of(sub)
                 merged, clash = _merge_inode(Inode.unpack(sv), Inode.unpack(bv),
-                                             Inode.unpack(tv))
+                                             Inode.unpack(tv), ino in rewrote["s"],
+                                             ino in rewrote["t"])
                 if clash:  # (taken whole from the winner: _take_conflicted_whole)
                     self.conflicts.add(sub)
                 else:

@@ -58,10 +58,7 @@ KNOWN_UPWARD = {
 }
 
 # Sets of modules that import each other (strongly connected): why. Only ever shrinks.
-KNOWN_CYCLES = {
-    frozenset({"bmfs.typed.records", "bmfs.typed.typeattr", "bmfs.typed.views"}):
-        "record files set and check their type; views open record files",
-}
+KNOWN_CYCLES: dict[frozenset, str] = {}
 
 
 def modules() -> dict[str, tuple[pathlib.Path, bool]]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bmfs import errors, typed
-from bmfs.typed import records
+from bmfs.typed import recfile, records
 from bmfs.wire import examples_v2_pb2
 from bmfs.wire.examples_pb2 import Sample
 from bmfs.wire.fbs.bmfs.examples.Frame import Frame
@@ -343,8 +343,8 @@ def _patch(path, offset, data):
 def _footer(path):
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        f.seek(size - records.FOOTER.size)
-        return size, records.FOOTER.unpack(f.read())
+        f.seek(size - recfile.FOOTER.size)
+        return size, recfile.FOOTER.unpack(f.read())
 
 
 def _rewrite_index_entry(path, i, value):

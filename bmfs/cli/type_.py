@@ -25,7 +25,8 @@ def add_parser(subparsers):
 
 def run(args) -> int:
     from bmfs import typed
-    from bmfs.typed import typeattr
+    from bmfs.typed.sniff import sniff
+    from bmfs.typed.xattr import recorded_type
     try:
         if args.clear:
             if args.type:
@@ -36,11 +37,11 @@ def run(args) -> int:
         if args.type:
             print(typed.set_type(args.path, args.type, check=not args.no_check))
             return 0
-        recorded = typeattr.recorded_type(args.path)
+        recorded = recorded_type(args.path)
         if recorded is not None:
             print(recorded)
             return 0
-        sniffed = typeattr.sniff(args.path)
+        sniffed = sniff(args.path)
         if sniffed is None:
             print(f"bmfs type: {args.path}: no type recorded", file=sys.stderr)
             return 1

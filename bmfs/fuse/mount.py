@@ -53,7 +53,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
             log.warning("the last mount crashed: deleted %d fragment files of writes it "
                         "never committed", swept)
         fs = await FileSystem.create(volume, opts.branch)
-        shared = hasattr(volume.kv, "grant_lease")  # etcd: other mounts change devices
+        shared = not volume.kv.caps.single_writer  # etcd: other mounts change devices
         volume.kv.enable_write_behind()  # etcd: commit behind (docs/etcd.md)
         ops = Operations(fs, opts.attr_timeout, idle_spin_setting())
         fs.read_only, fs.atime = opts.read_only, opts.atime
@@ -236,7 +236,7 @@ async def _gc_loop(fs):
     (etcd), and every REPAIR_EVERY rounds repair the fragments queued as missing or
     corrupt. On a shared (etcd) volume only one mount repairs in the background (the
     oldest live one, session.leads_repair), so fragments are not rebuilt twice."""
-    shared = hasattr(fs.kv, "grant_lease")  # other mounts may die holding orphans
+    shared = not fs.kv.caps.single_writer  # other mounts may die holding orphans
     rounds = 0
     while True:
         with trio.move_on_after(GC_INTERVAL):

@@ -8,8 +8,12 @@ This is exactly what etcd's Txn offers, so the namespace above works unchanged o
 ``memory:``, ``sqlite:PATH`` and ``etcd://host:port,...``.
 
 Engines implement five primitives (``_get``, ``_range``, ``_commit``, ``sync``,
-``aclose``) and may add ``watch``. Everything else (retries, range reads merged with
-a transaction's own writes) is written once here.
+``_aclose``). Everything else (retries, range reads merged with a transaction's own
+writes) is written once here. What an engine offers beyond them is declared in its
+``caps`` (:class:`Capabilities`): leases, watch, whether it is the volume's only
+writer, whether its reads may come from a cache. The methods for all of these are on
+this interface, with defaults for engines that lack them (leases: NotSupported; the
+read hints: nothing to do), so callers ask ``kv.caps``, never the engine's class.
 
 Checksums: every value is stored sealed (bmfs/kv/seal.py: a crc32c of key and value
 after it), sealed by ``Txn.put`` and checked wherever a value is read (``get``,
@@ -27,13 +31,16 @@ outside a transaction is always fresh.
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
+import math
 import random
-from typing import Awaitable, Callable, TypeVar
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import trio
 
-from ..errors import Conflict, FsError, Unavailable
+from ..errors import Conflict, FsError, NotSupported, Unavailable
 from . import seal as _seal
 
 T = TypeVar("T")
@@ -79,17 +86,37 @@ def merge_rows(rows, changes, limit: int, fetched: int):
     return out[:limit] if limit else out
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine supports beyond the primitives (``KV.caps``)."""
+
+    # This process is the volume's only writer (memory, sqlite: one owner): ``commits``
+    # counts every change, so a transaction during which it did not move needs no
+    # compare, and nothing changes the volume behind this client's back. False: other
+    # clients (mounts, tools) share it.
+    single_writer: bool = False
+    # grant_lease, keepalive, revoke_lease, put_with_lease: keys that vanish when their
+    # owner stops renewing them (etcd). Without: they raise NotSupported.
+    leases: bool = False
+    # watch(): a stream of committed changes. Every engine here has it; single-writer
+    # engines see only their own commits.
+    watch: bool = True
+    # Reads inside transactions may come from a cache that lags other clients' commits
+    # until barrier(); known_empty and prefetch feed it (etcd). Without: they are no-ops.
+    read_cache: bool = False
+
+
 class KV(abc.ABC):
     """A transactional KV store. Create with ``await open_kv(url)``; close with ``aclose``."""
 
     url: str = ""
-    # statistics (work done, for tests and `bmfs status`): keys read, keys written
+    caps: Capabilities = Capabilities()
+    # statistics (work done, for tests and `bmfs status`): keys read, keys written,
+    # transactions applied through this client
     keys_read: int = 0
     keys_written: int = 0
-    # Engines whose only writer is this process (memory, sqlite) count their commits:
-    # a transaction during which nothing else committed needs no compare at all.
-    single_writer: bool = False
     commits: int = 0
+    closed: bool = False
     # values carry checksums (see the module doc); False: an older volume, read as it is
     sealed: bool = True
 
@@ -118,11 +145,28 @@ class KV(abc.ABC):
         """Make every commit so far durable on stable storage (a barrier for fsync)."""
 
     @abc.abstractmethod
-    async def aclose(self) -> None:
-        """Release the engine's resources."""
+    async def _aclose(self) -> None:
+        """Release the engine's resources (called once)."""
 
     # -- the interface used by the layers above ---------------------------------------
+    @property
+    def single_writer(self) -> bool:
+        """``caps.single_writer``: this process is the volume's only writer."""
+        return self.caps.single_writer
+
+    async def aclose(self) -> None:
+        """Release the engine's resources; after it every read or commit raises
+        ``trio.ClosedResourceError``. Closing twice is harmless."""
+        if not self.closed:
+            self.closed = True
+            await self._aclose()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise trio.ClosedResourceError(f"the metadata engine {self.url} was closed")
+
     def begin(self) -> "Txn":
+        self._check_open()
         return Txn(self)
 
     def seal(self, key: bytes, value) -> bytes:
@@ -194,17 +238,97 @@ class KV(abc.ABC):
         name was not found: files are being created). Engines with a read cache may
         read the prefix whole once and answer later lookups there locally."""
 
+    # -- leases (caps.leases) -------------------------------------------------------------
+    async def grant_lease(self, ttl: int, timeout: float | None = None) -> int:
+        """A new lease of ``ttl`` seconds; keys put with it vanish when it expires.
+
+        Raises:
+            NotSupported: the engine has no leases (``caps.leases`` False).
+            Unavailable: the store cannot be reached within the timeout.
+        """
+        raise NotSupported(f"{self.url}: this metadata engine has no leases")
+
+    async def keepalive(self, lease: int) -> int:
+        """Renew ``lease`` for its full TTL; returns the TTL in seconds.
+
+        Raises:
+            NotFound: the lease has expired (its keys are gone).
+            NotSupported, Unavailable: as grant_lease.
+        """
+        raise NotSupported(f"{self.url}: this metadata engine has no leases")
+
+    async def revoke_lease(self, lease: int) -> None:
+        """End ``lease`` now, deleting its keys.
+
+        Raises:
+            NotFound: the lease has already expired.
+            NotSupported, Unavailable: as grant_lease.
+        """
+        raise NotSupported(f"{self.url}: this metadata engine has no leases")
+
+    async def put_with_lease(self, key: bytes, value: bytes, lease: int) -> None:
+        """Put ``key`` outside any transaction, deleted when ``lease`` expires.
+
+        Raises:
+            NotFound: the lease has expired.
+            NotSupported, Unavailable: as grant_lease.
+        """
+        raise NotSupported(f"{self.url}: this metadata engine has no leases")
+
+    # -- watch (caps.watch) ---------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def watch(self, prefix: bytes, end: bytes | None = None,
+                    skip_own: bool = False) -> AsyncIterator[trio.MemoryReceiveChannel]:
+        """Changes under ``prefix`` (with ``end``: in ``[prefix, end)``) committed from
+        now on, in commit order, as ``(key, value or None)`` on a channel::
+
+            async with kv.watch(b"n/") as changes:
+                async for key, value in changes: ...
+
+        With ``skip_own``, changes committed through this engine object are left out
+        (a single-writer engine then delivers nothing). This one serves engines whose
+        commits all go through this object (memory, sqlite); etcd watches the cluster.
+
+        Raises:
+            NotSupported: the engine has no watch (``caps.watch`` False).
+        """
+        if not self.caps.watch:
+            raise NotSupported(f"{self.url}: this metadata engine has no watch")
+        self._check_open()
+        send, recv = trio.open_memory_channel(math.inf)  # commits cannot wait for readers
+        entry = (prefix, prefix_end(prefix) if end is None else end, skip_own, send)
+        watchers = self.__dict__.setdefault("_watchers", [])
+        watchers.append(entry)
+        try:
+            yield recv
+        finally:
+            watchers.remove(entry)
+            send.close()
+
+    def _published(self, writes: dict[bytes, bytes | None]) -> None:
+        """Hand a commit's ``writes`` to this object's watches (engines that serve
+        ``watch`` themselves call it after each commit)."""
+        for start, end, skip_own, send in self.__dict__.get("_watchers", ()):
+            if skip_own:
+                continue
+            for k, v in writes.items():
+                if k >= start and (not end or k < end):
+                    send.send_nowait((k, self.unseal_change(k, v)))
+
     async def get(self, key: bytes) -> bytes | None:
         """Latest committed value, outside any transaction (never from a cache)."""
+        self._check_open()
         v = (await self._get_fresh(key))[0]
         return None if v is None else self.unseal(key, v)
 
     async def range(self, start: bytes, end: bytes, limit: int = 0) -> list[tuple[bytes, bytes]]:
+        self._check_open()
         return [(k, self.unseal(k, v)) for k, v, _ in await self._range(start, end, limit)]
 
     async def commit(self, txn: "Txn") -> None:
+        self._check_open()
         if txn.writes:
-            unchanged = self.single_writer and txn.epoch == self.commits
+            unchanged = self.caps.single_writer and txn.epoch == self.commits
             await self._commit({} if unchanged else txn.reads, txn.writes)
             self.keys_written += len(txn.writes)
 
@@ -237,7 +361,7 @@ class KV(abc.ABC):
 
     async def _changed_since(self, txn: "Txn") -> bool:
         """Whether a key ``txn`` read has changed since (False if that cannot be told)."""
-        if self.single_writer and txn.epoch == self.commits:
+        if self.caps.single_writer and txn.epoch == self.commits:
             return False
         try:
             return await self._stale(txn.reads)

@@ -67,7 +67,7 @@ import httpx
 import trio
 
 from ..errors import Access, Conflict, IOFailure, NoSpace, NotFound, Unavailable
-from . import KV, merge_rows, prefix_end
+from . import KV, Capabilities, merge_rows, prefix_end
 from .etcd_auth import (EtcdAccess, diagnose_tls, parse_url, refusal, tls_refusal,
                         token_expired)
 from .etcd_cache import COMPLETE_KEYS, ReadCache
@@ -129,7 +129,10 @@ def _json(ep: str, resp: httpx.Response) -> dict:
 
 
 class EtcdKV(KV):
-    """The KV interface on an etcd cluster, plus leases and watches (see the module doc)."""
+    """The KV interface on an etcd cluster, with leases, watches and a read cache (see
+    the module doc)."""
+
+    caps = Capabilities(leases=True, watch=True, read_cache=True)
 
     def __init__(self, url: str, access: EtcdAccess, *, timeout: float = 10.0,
                  request_timeout: float = 2.0):
@@ -489,7 +492,7 @@ class EtcdKV(KV):
         disk on a quorum."""
         await self.wb.drain(self.timeout)
 
-    async def aclose(self):
+    async def _aclose(self):
         await self.wb.aclose()
         if self._cache_scope is not None:
             self._cache_scope.cancel()

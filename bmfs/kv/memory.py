@@ -4,11 +4,11 @@ from __future__ import annotations
 import bisect
 
 from ..errors import Conflict
-from . import KV
+from . import KV, Capabilities
 
 
 class MemoryKV(KV):
-    single_writer = True
+    caps = Capabilities(single_writer=True)
 
     def __init__(self, url="memory:"):
         self.url = url
@@ -45,9 +45,10 @@ class MemoryKV(KV):
                     bisect.insort(self._keys, k)
                 self._data[k] = (v, self._rev)
         self.commits += 1
+        self._published(writes)
 
     async def sync(self):
         pass
 
-    async def aclose(self):
+    async def _aclose(self):
         pass

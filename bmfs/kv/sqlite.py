@@ -54,7 +54,7 @@ import struct
 from crc32c import crc32c
 
 from ..errors import Conflict, MetaDamaged, VolumeError
-from . import KV, merge_rows, prefix_end
+from . import KV, Capabilities, merge_rows, prefix_end
 
 log = logging.getLogger(__name__)
 APPLY_KEYS = 4096  # pending keys that make the next commit apply the batch to SQLite
@@ -181,7 +181,7 @@ def _open_own(path: str, flags: int) -> int:
 
 
 class SqliteKV(KV):
-    single_writer = True  # one process owns the database (lock file)
+    caps = Capabilities(single_writer=True)  # one process owns the database (lock file)
 
     def __init__(self, url, db, lockfd, path):
         self.url = url
@@ -447,6 +447,7 @@ class SqliteKV(KV):
         for k, v in writes.items():
             self._remember(k, v, self._rev)
         self.commits += 1
+        self._published(writes)
         if len(self._pending) >= APPLY_KEYS:
             # The commit is done: a failure to apply the batch must not be reported as
             # its failure (a retry would run the operation twice). It stays pending,
@@ -507,7 +508,7 @@ class SqliteKV(KV):
     async def sync(self):
         self._cut_log()
 
-    async def aclose(self):
+    async def _aclose(self):
         if self._db is not None:
             self._cut_log()
             self._db.close()

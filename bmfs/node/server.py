@@ -551,7 +551,7 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
             bound = await nursery.start(server.serve, host, port)
             if advertise is None and host not in ("0.0.0.0", "::", ""):
                 advertise = f"{host}:{bound}"
-            if kv is not None and hasattr(kv, "grant_lease"):
+            if kv is not None and kv.caps.leases:
                 from ..errors import FsError
                 from .membership import announce, is_volume, keep_registered
                 try:

@@ -9,7 +9,7 @@ the file's memory mapping, without reading or copying the whole file (docs/typed
     with bmfs.typed.records.writer("train.rec", Sample) as w:
         w.append(sample)
 
-The type is recorded with the file (xattr user.bm.type, see typeattr) so that mmap(path)
+The type is recorded with the file (xattr user.bm.type, see xattr.py) so that mmap(path)
 needs no type. The same code works on a local file and inside a bmfs mount.
 """
 from bmfs.typed import records
@@ -17,10 +17,11 @@ from bmfs.typed.errors import (
     BadTypeString, CorruptFile, MissingIndex, NotSupportedHere, NoType, TypeMismatch,
     UnknownSchema)
 from bmfs.typed.numpy_view import MappedArray
-from bmfs.typed.records import RecordFile, RecordWriter
+from bmfs.typed.recfile import RecordFile, RecordWriter
 from bmfs.typed.registry import register
-from bmfs.typed.typeattr import XATTR, clear_type, get_type, set_type
+from bmfs.typed.typeattr import get_type, set_type
 from bmfs.typed.views import mmap, mutable_mmap
+from bmfs.typed.xattr import XATTR, clear_type
 
 __all__ = [
     "mmap", "mutable_mmap", "records", "get_type", "set_type", "clear_type", "register",

@@ -1,7 +1,7 @@
 """Type strings, type requests and the schemas (classes) behind them.
 
 A file's type is a short string, recorded in the `user.bm.type` xattr (see
-bmfs.typed.typeattr) and accepted wherever a type is:
+bmfs.typed.xattr) and accepted wherever a type is:
 
     npy                          a NumPy .npy file (dtype and shape in its header)
     raw:<dtype>[:<d0>,<d1>,...]  bare array bytes, e.g. 'raw:<f4' or 'raw:<u2:480,640'

@@ -4,7 +4,9 @@ import dataclasses
 import os
 
 from bmfs.typed import access as _access
-from bmfs.typed import fbs_view, numpy_view, proto_view, records, registry, typeattr
+from bmfs.typed import fbs_view, numpy_view, proto_view, recfile, registry
+from bmfs.typed.sniff import sniff
+from bmfs.typed.xattr import XATTR, recorded_type
 from bmfs.typed.errors import (
     BadTypeString, NoType, NotSupportedHere, TypeMismatch, from_os_error)
 
@@ -50,7 +52,7 @@ def mmap(path, Type=None, *, strict=True, verify=True, dtype=None, shape=None, o
     path = os.fspath(path)
     _access.check_mode(access)
     req = registry.request(Type, dtype=dtype, shape=shape, path=path)
-    req = decide(path, req, typeattr.recorded_type(path), strict=strict)
+    req = decide(path, req, recorded_type(path), strict=strict)
     return open_decided(path, req, verify=verify, strict=strict, offset=offset,
                         access=access)
 
@@ -72,7 +74,7 @@ def mutable_mmap(path, Type=None, *, strict=True, dtype=None, shape=None, offset
     path = os.fspath(path)
     _access.check_mode(access)
     req = registry.request(Type, dtype=dtype, shape=shape, path=path)
-    req = decide(path, req, typeattr.recorded_type(path), strict=strict)
+    req = decide(path, req, recorded_type(path), strict=strict)
     if req.kind not in ("npy", "raw"):
         raise NotSupportedHere(path, f"mutable_mmap maps arrays only, and this file is {req}")
     return _advised(numpy_view.open_array(path, req, writable=True, offset=offset), access)
@@ -89,20 +91,20 @@ def decide(path, req, recorded, strict=True):
         try:
             recorded = registry.parse(recorded, path)
         except BadTypeString as e:
-            raise BadTypeString(path, f"the recorded type ({typeattr.XATTR}) is "
+            raise BadTypeString(path, f"the recorded type ({XATTR}) is "
                                       f"malformed: {str(e).split(': ', 1)[-1]}") from None
     if req is None:
-        req = recorded or typeattr.sniff(path)
+        req = recorded or sniff(path)
         if req is None:
-            raise NoType(path, f"no type given, none recorded ({typeattr.XATTR}) and none "
+            raise NoType(path, f"no type given, none recorded ({XATTR}) and none "
                                "in the file's header: pass one, or set it with "
                                "`bmfs type PATH TYPE`")
         return registry.load_class(req, path)
     if recorded is not None:
         return _narrow(path, req, recorded, strict)
     if req.kind == registry.ANY_PROTO:
-        magic = _head(path, len(records.MAGIC))
-        kind = "proto-records" if magic == records.MAGIC else "proto"
+        magic = _head(path, len(recfile.MAGIC))
+        kind = "proto-records" if magic == recfile.MAGIC else "proto"
         return dataclasses.replace(req, kind=kind)
     if req.kind == registry.ANY_ARRAY:
         kind = "npy" if numpy_view.is_npy(_head(path, 8)) else "raw"
@@ -158,7 +160,7 @@ def open_decided(path, req, *, verify=True, strict=True, offset=0, access="auto"
         if req.instance is not None:
             raise TypeMismatch(path, "a record file holds many messages: pass the message "
                                      "class, not an instance")
-        return records.open_records(path, req.cls, verify=verify, strict=strict,
+        return recfile.open_records(path, req.cls, verify=verify, strict=strict,
                                     access=access)
     if req.kind == "fbs":
         table = fbs_view.open_table(path, req.cls, req.instance)

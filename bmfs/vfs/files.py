@@ -960,7 +960,7 @@ class Files:
         commits, so an unchanged count means unchanged metadata. Sequential reads then
         skip two metadata lookups per request. Other engines: a fresh lookup each time
         (returns an empty cache that is not kept)."""
-        epoch = self.kv.commits if self.kv.single_writer else None
+        epoch = self.kv.commits if self.kv.caps.single_writer else None
         cache = of.read_cache
         if cache is None or epoch is None or cache[0] != epoch or cache[1] is not chain:
             cache = [epoch, chain, None, {}]

@@ -80,7 +80,7 @@ class FileSystem:
         # other mounts share the volume (etcd): they may hold open a file this one
         # unlinks (with BMFS_ORPHAN_GRACE set, its last name going then frees it only
         # through the orphan sweep: defers_free)
-        self.shared = hasattr(self.kv, "grant_lease")
+        self.shared = not self.kv.caps.single_writer
         self._heads: dict[str, tuple[int, int]] = {}  # branch -> (head, record revision)
         # (view id, ino) -> the last inodes freed here, as they were (see setattr)
         self.gone = LRU(GONE_KEPT)
@@ -159,7 +159,7 @@ class FileSystem:
             # (not if the view has moved on, e.g. refreshed by the watch; nor with an
             # engine that skips the compares when it alone wrote)
             if (attempts == 1 and known is not None and known[0] == view.chain.top
-                    and not getattr(self.kv, "single_writer", False)):
+                    and not self.kv.caps.single_writer):
                 head, txn.reads[key] = known
             else:
                 raw = await txn.get(key)

@@ -72,7 +72,7 @@ async def sweep_leaked(volume) -> int:
 
 async def begin_session(volume) -> int:
     """Note that the volume is mounted; if the last mount crashed, sweep first."""
-    if not volume.kv.single_writer:
+    if not volume.kv.caps.single_writer:
         return 0
     swept = 0
     if await volume.kv.get(keys.MOUNTED) is not None:
@@ -84,7 +84,7 @@ async def begin_session(volume) -> int:
 
 
 async def end_session(volume) -> None:
-    if volume.kv.single_writer:
+    if volume.kv.caps.single_writer:
         txn = volume.kv.begin()
         txn.delete(keys.MOUNTED)
         await volume.kv.commit(txn)

@@ -40,7 +40,7 @@ async def keep_alive(fs, mountpoint: str, task_status=trio.TASK_STATUS_IGNORED) 
     nursery.start(keep_alive, fs, mountpoint)``.
     """
     kv = fs.kv
-    if not hasattr(kv, "grant_lease"):
+    if not kv.caps.leases:
         task_status.started()
         return
     volume = fs.volume

@@ -53,9 +53,9 @@ async def watch_devices(fs) -> None:
     draining, one added) as they are committed, not at the next upkeep round: one watch
     over the records, each batch of changes read with Volume.refresh_devices. While it
     is broken, the upkeep loop still reads them every few seconds. Runs until
-    cancelled; returns at once for engines without watches."""
+    cancelled; returns at once where no other client writes (or without watches)."""
     kv = fs.kv
-    if not hasattr(kv, "watch"):
+    if kv.caps.single_writer or not kv.caps.watch:
         return
     while True:
         try:
@@ -90,7 +90,7 @@ class Watcher:
         self.changes = 0   # statistics: changes seen (other mounts' only)
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        if not hasattr(self.kv, "watch"):
+        if self.kv.caps.single_writer or not self.kv.caps.watch:
             task_status.started()
             return
         started = False

@@ -135,7 +135,7 @@ def delete_snapshot_left_to_collect(volume, name):
     anything leaves it (op_snapshot_delete with collect=False, in a process of its
     own): its stdout."""
     code = ("import sys, trio\n"
-            "from bmfs.vfs.volume import Volume\n"
+            "from bmfs.volume.volume import Volume\n"
             "from bmfs.meta.branches import op_snapshot_delete\n"
             "async def main():\n"
             "    vol = await Volume.open(sys.argv[1])\n"

@@ -2,7 +2,7 @@
 import subprocess
 import sys
 
-HEAVY = ("trio", "bmfs.vfs.volume", "bmfs.data.client", "numpy", "google.protobuf")
+HEAVY = ("trio", "bmfs.volume.volume", "bmfs.data.client", "numpy", "google.protobuf")
 
 
 def test_the_command_line_starts_without_the_event_loop_or_the_volume_code():

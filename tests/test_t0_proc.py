@@ -70,5 +70,5 @@ def _big_malloc_in_heap(setup: str) -> bool:
 def test_importing_bmfs_leaves_the_programs_malloc_alone():
     """A program that imports bmfs (the typed views, the volume code) keeps glibc's
     malloc settings; bmfs's own processes raise them (tune_malloc, as `bmfs` does)."""
-    assert not _big_malloc_in_heap("import bmfs, bmfs.vfs.volume, bmfs.data.client, bmfs.cli.main")
+    assert not _big_malloc_in_heap("import bmfs, bmfs.volume.volume, bmfs.data.client, bmfs.cli.main")
     assert _big_malloc_in_heap("from bmfs.proc import tune_malloc; tune_malloc()")

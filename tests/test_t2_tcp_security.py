@@ -323,7 +323,7 @@ def test_tls_options_and_section_mistakes_are_one_line(tmp_path, certs):
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, \
             r.stderr
     from bmfs.errors import VolumeError
-    from bmfs.vfs.volume import _tcp_transport
+    from bmfs.volume.volume import _tcp_transport
     with pytest.raises(VolumeError, match="tls section"):
         _tcp_transport(str(tmp_path), {"tls": {"cert": "nope.pem", "key": "k", "ca": "c"}},
                        {})

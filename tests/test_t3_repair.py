@@ -5,9 +5,9 @@ import pytest
 import trio
 
 from bmfs.errors import Invalid, NoSpace
-from bmfs.vfs import repair
-from bmfs.vfs.volume import mkfs
-from bmfs.vfs.fsck import fsck
+from bmfs.volume import devices, repair
+from bmfs.volume.volume import mkfs
+from bmfs.volume.fsck import fsck
 from fragments import intact_keys, lose, on_device
 from vfsutil import open_fs, read_file, write_file
 
@@ -129,7 +129,7 @@ def test_add_drain_undrain_remove_a_device(tmp_path):
                 return len(on_device(v.device_paths[dev]))
             inos = {b"a": await put(b"a", 12 << 20)}
             with pytest.raises(NoSpace, match="add a device first"):
-                await repair.drain(v, 0)
+                await devices.drain(v, 0)
             assert v.data.devices == [0, 1, 2, 3, 4, 5]
             # wrong adds: a node address on a volume of directories, an id in use,
             # a path in use, a directory of another volume
@@ -140,26 +140,26 @@ def test_add_drain_undrain_remove_a_device(tmp_path):
                             ({"path": str(vol / "dev1")}, "is device 1 already"),
                             ({"path": str(other / "dev0")}, "belongs to another volume")):
                 with pytest.raises(Invalid, match=why):
-                    await repair.add_device(v, **{"path": str(tmp_path / "x"), **kw})
+                    await devices.add_device(v, **{"path": str(tmp_path / "x"), **kw})
             assert not (tmp_path / "x").exists() and len(v.data.devices) == 6
-            r = await repair.add_device(v, str(tmp_path / "d6"))
+            r = await devices.add_device(v, str(tmp_path / "d6"))
             assert r["device"] == 6 and v.data.devices == [0, 1, 2, 3, 4, 5, 6]
             inos[b"b"] = await put(b"b", 32 << 20)
             assert count(6) > 0  # new stripes are spread over the seven
-            r = await repair.drain(v, 0)
+            r = await devices.drain(v, 0)
             assert r["fragments_left_on_device"] == 0 and count(0) == 0
             inos[b"c"] = await put(b"c", 8 << 20)
             assert count(0) == 0  # kept off the drained device
-            r = await repair.undrain(v, 0)
+            r = await devices.undrain(v, 0)
             assert r["was_draining"] and 0 in v.data.devices
             inos[b"d"] = await put(b"d", 32 << 20)
             assert count(0) > 0
-            r = await repair.drain(v, 2, remove=True)
+            r = await devices.drain(v, 2, remove=True)
             assert r["removed"] and v.removed == {2} and 2 not in v.data.devices
             with pytest.raises(Invalid, match="was removed"):
-                await repair.undrain(v, 2)
+                await devices.undrain(v, 2)
             with pytest.raises(Invalid, match="ids are not reused"):
-                await repair.add_device(v, str(tmp_path / "y"), device=2)
+                await devices.add_device(v, str(tmp_path / "y"), device=2)
             v.data._decoded.clear()
             for name, ino in inos.items():
                 assert await read_file(fs, ino) == files[name]
@@ -184,7 +184,7 @@ def test_rebalance_moves_fragments_onto_an_added_device(tmp_path):
         async with open_fs(vol) as fs:
             v = fs.volume
             inos = {name: await write_file(fs, ROOT, name, data) for name, data in files.items()}
-            await repair.add_device(v, str(tmp_path / "d6"))
+            await devices.add_device(v, str(tmp_path / "d6"))
             assert on_device(str(tmp_path / "d6")) == []
             r = await repair.rebalance(v)
             total = sum(len(on_device(v.device_paths[d])) for d in range(7))
@@ -214,12 +214,12 @@ def test_two_drains_at_once_cannot_both_leave_too_few_devices(tmp_path):
         async with open_fs(vol) as fs:
             v = fs.volume
             await write_file(fs, ROOT, b"f", os.urandom(9 << 20))
-            await repair.add_device(v, str(tmp_path / "d6"))
+            await devices.add_device(v, str(tmp_path / "d6"))
             outcome = {}
 
             async def drain(dev):
                 try:
-                    outcome[dev] = (await repair.drain(v, dev))["fragments_left_on_device"]
+                    outcome[dev] = (await devices.drain(v, dev))["fragments_left_on_device"]
                 except NoSpace as e:
                     outcome[dev] = str(e)
             async with trio.open_nursery() as nursery:

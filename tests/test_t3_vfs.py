@@ -13,9 +13,9 @@ from bmfs.meta import namespace as ns
 from bmfs.meta.records import Inode
 from bmfs.store.file import FileStore
 from bmfs.vfs.fs import FileSystem
-from bmfs.vfs.fsck import fsck
+from bmfs.volume.fsck import fsck
 from bmfs.vfs.views import CTL_BRANCHES, CTL_VIEW, VIEW_SHIFT
-from bmfs.vfs.volume import Volume, mkfs
+from bmfs.volume.volume import Volume, mkfs
 from vfsutil import open_fs, read_file, write_file
 
 ROOT = 1

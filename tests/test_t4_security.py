@@ -286,7 +286,7 @@ def test_volume_files_are_private(public):
 def test_mkfs_called_in_process_makes_a_private_volume(public):
     """mkfs from a program (not the CLI, whose umask is 077) with umask 0."""
     import trio
-    from bmfs.vfs.volume import mkfs as mkfs_here
+    from bmfs.volume.volume import mkfs as mkfs_here
     old = os.umask(0)
     try:
         trio.run(mkfs_here, f"{public}/vol", 2, 1)

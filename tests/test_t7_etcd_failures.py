@@ -324,7 +324,7 @@ def test_big_file_freed_in_batches(tmp_path, monkeypatch):
     cluster = EtcdCluster(max_txn_ops=128)
     try:
         async def main():
-            from bmfs.vfs.volume import mkfs
+            from bmfs.volume.volume import mkfs
             await mkfs(str(tmp_path / "vol"), meta=cluster.url)
             async with open_fs(tmp_path / "vol") as fs:
                 made = []

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from bmfs.cluster.etcd import ETCD
-from bmfs.fuse.mount import GC_INTERVAL
+from bmfs.volume.upkeep import GC_INTERVAL
 from bmfs.proc import alive
 
 from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
@@ -221,10 +221,10 @@ def test_drain_waits_for_a_stripe_another_mount_placed_before_the_mark(
     import trio
     from bmfs.meta import keys
     from bmfs.meta.records import Stripe
-    from bmfs.vfs import repair, session
+    from bmfs.volume import devices, repair, session
     from bmfs.vfs.fs import FileSystem
-    from bmfs.vfs.volume import Volume
-    from bmfs.vfs.volume import mkfs as make
+    from bmfs.volume.volume import Volume
+    from bmfs.volume.volume import mkfs as make
     from bmfs.vfs.watch import watch_devices
     from vfsutil import read_file, write_file
 
@@ -266,7 +266,7 @@ def test_drain_waits_for_a_stripe_another_mount_placed_before_the_mark(
                 drained = {}
 
                 async def drain():
-                    drained.update(await repair.drain(va, 3))
+                    drained.update(await devices.drain(va, 3))
                 nursery.start_soon(drain)
                 await trio.sleep(2.5)  # more than the old fixed wait, here 1 s
                 assert not drained, "the drain went ahead before mount B confirmed"
@@ -299,10 +299,10 @@ def test_no_fragment_moves_onto_a_device_marked_draining_meanwhile(etcd_cluster,
     none of those moves: no stripe is on device 7 and the files read back."""
     import trio
     from bmfs.meta.records import Stripe
-    from bmfs.vfs import repair
+    from bmfs.volume import devices, repair
     from bmfs.vfs.fs import FileSystem
-    from bmfs.vfs.volume import Volume
-    from bmfs.vfs.volume import mkfs as make
+    from bmfs.volume.volume import Volume
+    from bmfs.volume.volume import mkfs as make
     from vfsutil import read_file, write_file
 
     etcd_cluster.wipe()
@@ -316,10 +316,10 @@ def test_no_fragment_moves_onto_a_device_marked_draining_meanwhile(etcd_cluster,
         fa = await FileSystem.create(va)
         try:
             inos = {n: await write_file(fa, 1, n, d) for n, d in files.items()}
-            await repair.add_device(va, str(tmp_path / "d7"))
+            await devices.add_device(va, str(tmp_path / "d7"))
             await vb.refresh_devices()
             assert 7 in vb.data.devices
-            await repair.set_device(va, 7, draining=True)  # B does not look again
+            await devices.set_device(va, 7, draining=True)  # B does not look again
             assert 7 in vb.data.devices
             result = await repair.rebalance(vb)
             on7 = [k for k, raw in await va.kv.range(b"t/", b"t0")

@@ -5,8 +5,8 @@ import contextlib
 import os
 
 from bmfs.vfs.fs import FileSystem
-from bmfs.vfs.fsck import fsck
-from bmfs.vfs.volume import Volume, mkfs
+from bmfs.volume.fsck import fsck
+from bmfs.volume.volume import Volume, mkfs
 
 O_RDWR = os.O_RDWR
 

@@ -47,7 +47,7 @@ def _mount(args) -> str | None:
 
 async def _offline(path: str, group: str | None, setting: bool) -> dict:
     from ..vfs.control import read_admin_group, store_admin_group
-    from ..vfs.volume import Volume
+    from ..volume.volume import Volume
     vol = await Volume.open(path, upgrade=setting)
     try:
         if setting:

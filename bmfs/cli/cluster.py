@@ -39,7 +39,7 @@ def add_parser(sub):
 
 def run_up(args) -> int:
     from ..cluster import local
-    from ..vfs.volume import check_new_volume_dir
+    from ..volume.volume import check_new_volume_dir
     k, m = parse_ec(args.ec)
     check_new_volume_dir(args.dir)  # (before etcd's files are made in it)
     meta = None
@@ -103,7 +103,7 @@ def _device_ids(directory: str) -> set[int]:
 
 
 async def _offline_devices(directory):
-    from ..vfs.volume import Volume, device_records
+    from ..volume.volume import Volume, device_records
     vol = await Volume.open(directory, upgrade=False)
     try:
         return await device_records(vol.kv)

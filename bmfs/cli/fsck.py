@@ -15,8 +15,8 @@ def add_parser(sub):
 
 def run(args) -> int:
     from ..errors import MetaDamaged
-    from ..vfs.fsck import fsck, fsck_records
-    from ..vfs.volume import Volume
+    from ..volume.fsck import fsck, fsck_records
+    from ..volume.volume import Volume
 
     async def main():
         try:

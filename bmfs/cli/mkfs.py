@@ -59,7 +59,7 @@ def check_volume_dir(path: str) -> None:
 
 
 def run(args) -> int:
-    from ..vfs.volume import mkfs
+    from ..volume.volume import mkfs
     k, m = parse_ec(args.ec)
     check_volume_dir(args.volume)
     if args.fragment_size < 4096 or args.fragment_size % 4096:

@@ -90,13 +90,13 @@ def run(args) -> int:
     volume = args.volume or default_volume()
     if args.volume is None and not os.path.exists(os.path.join(volume, "volume.json")):
         from ..config import parse_ec
-        from ..vfs.volume import mkfs
+        from ..volume.volume import mkfs
         k, m = parse_ec(args.ec)
         run_trio(mkfs, volume, k, m)
     if args.mountpoint and not os.path.exists(mp) and args.volume is None:
         os.makedirs(mp, exist_ok=True)
     _check_mountpoint(mp)
-    from ..vfs.volume import read_volume_file
+    from ..volume.volume import read_volume_file
     read_volume_file(volume)  # a missing or foreign volume fails here, in one line
     opts = MountOptions(branch=args.branch, attr_timeout=args.timeout,
                         entry_timeout=args.timeout, **flags)

@@ -124,9 +124,15 @@ def run_serve(args) -> int:
     except OSError as e:
         raise UserError(f"cannot read {args.secret_file}: {e.strerror}")
     from ..proc import notify_ready
-    run_trio(run_node, args.name or args.listen, host, int(port), secret, devices,
-             args.volume_uuid, lambda bound: notify_ready(f"serving on {host}:{bound}"),
-             delay, args.meta, args.advertise, _tls(args))
+    name, tls = args.name or args.listen, _tls(args)
+    beside = None
+    if args.meta:  # the node's record in the volume's metadata, kept beside it
+        from ..volume.membership import keeper
+        beside = keeper(args.meta, name, args.volume_uuid, secret,
+                        tls and tls.context(server=False))
+    run_trio(run_node, name, host, int(port), secret, devices, args.volume_uuid,
+             lambda bound: notify_ready(f"serving on {host}:{bound}"), delay, beside,
+             args.advertise, tls)
     return 0
 
 

@@ -82,7 +82,7 @@ def run_op(args, op, **kw) -> int:
     return 0
 
 
-# what to do about fragments left short, by reason (vfs/repair.py's WHY)
+# what to do about fragments left short, by reason (volume/repair.py's WHY)
 HINTS = {"no_device": "add a device (bmfs node add) or bring the missing one back",
          "no_space": "free space on the devices or add one",
          "device_down": "run it again once the devices are up",
@@ -99,13 +99,13 @@ def _shown(value) -> str:
 
 def _why(short: dict) -> str:
     """Fragments left short by reason, in words: "2 no device to place on, 1 ENOSPC"."""
-    from ..vfs.repair import WHY
+    from ..volume.repair import WHY
     return ", ".join(f"{n} {WHY.get(why, why)}" for why, n in sorted(short.items()))
 
 
 async def _offline(path, op, kw):
-    from ..vfs import repair
-    from ..vfs.volume import Volume
+    from ..volume.admin import DEVICE_OPS
+    from ..volume.volume import Volume
     vol = await Volume.open(path)
 
     def progress(done, total):
@@ -114,6 +114,6 @@ async def _offline(path, op, kw):
             if done == total:
                 sys.stderr.write("\n")
     try:
-        return await getattr(repair, op)(vol, progress=progress, **kw)
+        return await DEVICE_OPS[op](vol, progress=progress, **kw)
     finally:
         await vol.aclose()

@@ -15,7 +15,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from ..vfs.status import render
+    from ..volume.status import render
     target = os.path.abspath(args.target) if args.target else mount_root_of(os.getcwd())
     m = find_mount(target)
     if m is None:
@@ -33,8 +33,8 @@ def run(args) -> int:
 
 
 async def _offline(path):
-    from ..vfs.status import volume_status
-    from ..vfs.volume import Volume
+    from ..volume.status import volume_status
+    from ..volume.volume import Volume
     vol = await Volume.open(path, upgrade=False)  # only reads
     try:
         return await volume_status(vol)

@@ -36,7 +36,7 @@ def node_command(i: int, port: int, dev: int, path: str, secret: str, uuid: str,
     if fault:
         cmd += ["--fault", fault]
     if meta and meta.startswith("etcd:"):
-        cmd += ["--meta", meta]  # leased membership record (node/membership.py)
+        cmd += ["--meta", meta]  # leased membership record (volume/membership.py)
     return cmd
 
 
@@ -68,7 +68,7 @@ def up(directory: str, nodes: int, k: int, m: int, meta: str | None = None,
     ``d{i % domains}`` (placement spreads a stripe's fragments over domains first).
     With ``tls``, node connections are TLS with certificates of a CA made in DIR/tls
     (certs.py), named in volume.json's tls section for mounts."""
-    from ..vfs.volume import check_new_volume_dir, mkfs
+    from ..volume.volume import check_new_volume_dir, mkfs
     if os.path.exists(os.path.join(directory, CLUSTER_FILE)):
         raise VolumeError(f"{directory} already holds a cluster (bmfs cluster down first)")
     check_new_volume_dir(directory)
@@ -105,7 +105,7 @@ def add_node(directory: str, dev: int, domain: str | None = None) -> dict:
     """Start one more node serving device ``dev`` (an id the volume has not used), in
     a new device directory DIR/nodeN/dev formatted for the volume (the layout of node
     0's), and list it in cluster.json; the caller adds the device to the volume
-    (repair.add_device), or undoes this with drop_node if that fails. If the node does
+    (devices.add_device), or undoes this with drop_node if that fails. If the node does
     not start, nothing is left behind. The node's record."""
     import shutil
     from ..store.pmem import format_store, layout_of
@@ -135,7 +135,7 @@ def add_node(directory: str, dev: int, domain: str | None = None) -> dict:
 def _make_tls(directory: str, names: list[str]) -> dict:
     """Certificates for ``names`` and the mounts' ("client", named in volume.json's tls
     section) from the CA in DIR/tls (made at the first call)."""
-    from ..vfs.volume import VOLUME_FILE
+    from ..volume.volume import VOLUME_FILE
     from .certs import make_ca_and_certs, member_files
     made = make_ca_and_certs(os.path.join(directory, "tls"), names + ["client"])
     path = os.path.join(directory, VOLUME_FILE)

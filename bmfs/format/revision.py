@@ -9,7 +9,7 @@ bmfs opens.
   of revisions 1 and 2 would take for part of the value.
 
 Opening an older volume for writing (a mount, repair, fsck --repair) upgrades it to 3
-first (vfs/volume.py), so older bmfs refuses it from then on. The keyspace
+first (volume/volume.py), so older bmfs refuses it from then on. The keyspace
 (meta/keys.py) and the records (meta/records.py) are those of FORMAT_REVISION.
 """
 FORMAT_REVISION = 3

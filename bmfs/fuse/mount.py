@@ -6,11 +6,10 @@ ready (or an error, which it prints as one line). The child logs to
 (several mounts of one etcd volume each have theirs) and in ``<volume>/mount.pid``
 (the last mount's, for single-mount tools).
 
-Besides serving FUSE the daemon runs: garbage collection of unreferenced stripes;
-on etcd volumes, the watch that keeps the kernel's caches coherent with other mounts
-(vfs/watch.py) and one taking up other mounts' device changes, this mount's leased
-presence record (which confirms device changes to drain), and a sweep freeing files
-that dead mounts held unlinked-but-open (vfs/session.py).
+Besides serving FUSE the daemon runs the watch that keeps the kernel's caches
+coherent with other mounts of an etcd volume (vfs/watch.py) and the volume's upkeep
+(volume/upkeep.py: garbage collection, repair, the mount's presence record, device
+changes, orphan sweeps).
 """
 from __future__ import annotations
 
@@ -25,16 +24,14 @@ import trio
 
 from ..config import MountOptions
 from ..errors import FsError
-from ..vfs import gc, session
 from ..vfs.fs import ATIME_MODES, FileSystem
-from ..vfs.volume import Volume
-from ..vfs.watch import Watcher, watch_devices
+from ..vfs.watch import Watcher
+from ..volume import upkeep
+from ..volume.volume import Volume
 from .idle import idle_spin_setting
 from .ops import Operations
 
 log = logging.getLogger(__name__)
-GC_INTERVAL = 5.0
-REPAIR_EVERY = int(os.environ.get("BMFS_REPAIR_ROUNDS", 6))  # GC rounds between repairs
 
 
 def pid_file(volume_path: str, mountpoint: str) -> str:
@@ -48,12 +45,8 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
     volume = await Volume.open(volume_path)
     handlers = _handlers()  # put back at the end (SIG_IGN while the data is stored)
     try:
-        swept = await gc.begin_session(volume)  # single owner: sweep after a crash
-        if swept:
-            log.warning("the last mount crashed: deleted %d fragment files of writes it "
-                        "never committed", swept)
+        await upkeep.begin(volume)  # single owner: sweep after a crash
         fs = await FileSystem.create(volume, opts.branch)
-        shared = not volume.kv.caps.single_writer  # etcd: other mounts change devices
         volume.kv.enable_write_behind()  # etcd: commit behind (docs/etcd.md)
         ops = Operations(fs, opts.attr_timeout, idle_spin_setting())
         fs.read_only, fs.atime = opts.read_only, opts.atime
@@ -65,23 +58,11 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                 fs.files.nursery = nursery  # full stripes are stored in the background
                 # before the first request: other mounts' changes from now on are seen
                 await nursery.start(Watcher(fs).run)
-                await nursery.start(session.keep_alive, fs, mountpoint)
+                await nursery.start(upkeep.run, fs, mountpoint)
                 await nursery.start(_remounts, fs, remount_file(volume_path, mountpoint))
-                if shared:
-                    # a drain that looked for mounts before this one's record was put
-                    # did not wait for it: take up any mark it made, now that drains
-                    # see the record (nothing is placed yet, so it is confirmed too)
-                    await volume.refresh_devices()
-                    volume.devices_confirmed = volume.devices_seq
-                    volume.confirmed_changed.unpark_all()
                 _write_pid(pidfiles, mountpoint)
                 if ready:
                     ready(None)
-                nursery.start_soon(_gc_loop, fs)
-                if shared:
-                    nursery.start_soon(watch_devices, fs)
-                    nursery.start_soon(session.confirm_devices, fs)
-                    nursery.start_soon(volume.kv.upkeep, lambda: session.leads_repair(fs))
                 nursery.start_soon(_signals)
                 nursery.start_soon(ops.idle.run)
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
@@ -99,7 +80,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
             # must not cut that short, so these signals are ignored until the end
             _set_handlers(dict.fromkeys(handlers, signal.SIG_IGN))
             await fs.aclose()
-            await gc.end_session(volume)
+            await upkeep.end(volume)
             _remove_pid(pidfiles)
     finally:
         try:
@@ -228,59 +209,6 @@ def _remove_pid(paths: list[str]) -> None:
                 os.unlink(path)
         except OSError:
             pass
-
-
-async def _gc_loop(fs):
-    """Background upkeep: take up device changes made elsewhere (Volume.refresh_devices),
-    record damage seen by reads, delete garbage stripes, free orphans of dead mounts
-    (etcd), and every REPAIR_EVERY rounds repair the fragments queued as missing or
-    corrupt. On a shared (etcd) volume only one mount repairs in the background (the
-    oldest live one, session.leads_repair), so fragments are not rebuilt twice."""
-    shared = not fs.kv.caps.single_writer  # other mounts may die holding orphans
-    rounds = 0
-    while True:
-        with trio.move_on_after(GC_INTERVAL):
-            await fs.collect_now.wait()  # a tree deleted here: its layers at once
-        asked, fs.collect_now = fs.collect_now.is_set(), trio.Event()
-        rounds += not asked  # (repairs come every REPAIR_EVERY timed rounds)
-        try:
-            await fs.volume.refresh_devices()  # devices added or drained elsewhere
-            await fs.volume.record_damage()
-            await _collect_layers(fs, asked, shared)
-            await fs.volume_gc()
-            if shared:
-                await session.sweep_orphans(fs)
-            from ..meta import keys
-            from ..vfs import repair
-            # (not while a repair, scrub, drain or rebalance of this mount runs: that
-            # would hold the rest of the upkeep up until it ends)
-            if rounds % REPAIR_EVERY == 0 and not repair.busy(fs.volume) and \
-                    await fs.kv.range(*keys.span(keys.DAMAGE_PREFIX), 1) and \
-                    (not shared or await session.leads_repair(fs)):
-                result = await repair.repair(fs.volume)
-                if result["fragments_rebuilt"] or result["stripes_failed"]:
-                    log.warning("background repair: %s", result)
-        except FsError as e:  # e.g. the metadata store is unreachable: no traceback
-            log.warning("garbage collection failed (%s); will retry", e)
-        except Exception:
-            log.exception("garbage collection failed; will retry")
-
-
-async def _collect_layers(fs, asked: bool, shared: bool) -> None:
-    """Collect the layers of deleted branches and snapshots (branches.collect_pending),
-    then delete the fragments of the stripes that freed, all of them: if a tree was
-    deleted through this mount, or another mount's delete left them (it was unmounted
-    or crashed first) and this mount leads the upkeep of a shared volume."""
-    from ..meta import branches, keys
-    if not asked and (await fs.kv.get(keys.COLLECT_LAYERS) is None
-                      or (shared and not await session.leads_repair(fs))):
-        return
-    freed = await branches.collect_pending(fs.kv)
-    if freed is None:
-        return
-    while await fs.volume_gc() >= gc.BATCH:
-        pass
-    log.info("collected %d layers of deleted branches and snapshots", freed)
 
 
 async def _signals():

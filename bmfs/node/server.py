@@ -523,12 +523,14 @@ class NodeServer:
 
 async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict[int, str],
                    volume_uuid: str, ready=None, read_delay: float = 0.0,
-                   meta: str | None = None, advertise: str | None = None,
-                   tls=None) -> None:
+                   beside=None, advertise: str | None = None, tls=None) -> None:
     """Serve ``devices`` on ``host:port`` until cancelled, each locked for this process
-    (lock_device), over TLS if ``tls`` (a tls.TlsConfig) is given. With ``meta`` (etcd, this volume's), keep a leased membership record
-    there, and announce ``advertise`` (default: the address listened on, unless that
-    is a wildcard) as the devices' node address, beside serving (membership.announce)."""
+    (lock_device), over TLS if ``tls`` (a tls.TlsConfig) is given. A node keeps nothing
+    but its devices: its record in a volume's metadata is kept by ``beside``, started
+    once the port is bound (``await nursery.start(beside, stores, address, advertise)``:
+    the devices' stores, the address clients reach, and ``advertise``, the one given
+    or, unless the address listened on is a wildcard, that one); ``ready(port)`` is
+    called once it has started (bmfs/volume/membership.py ``keeper``)."""
     locks = []
     try:
         for dev in sorted(devices):  # (in one order: two overlapping lists cannot cross)
@@ -542,37 +544,17 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
     server = NodeServer(name, secret, stores, read_delay=read_delay,
                         tls=tls and tls.context(server=True))
     server.volume_uuid = volume_uuid
-    kv = None
     try:
-        if meta:
-            from ..kv import open_kv
-            kv = await open_kv(meta)
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(server.serve, host, port)
             if advertise is None and host not in ("0.0.0.0", "::", ""):
                 advertise = f"{host}:{bound}"
-            if kv is not None and kv.caps.leases:
-                from ..errors import FsError
-                from .membership import announce, is_volume, keep_registered
-                try:
-                    ours = await is_volume(kv, volume_uuid)
-                except FsError:  # unreachable for now: registered once it answers
-                    ours = True
-                if not ours:
-                    log.warning("the metadata at %s is not volume %s's: not registered "
-                                "there, no addresses announced", meta, volume_uuid)
-                else:
-                    if advertise:  # (beside serving: etcd may be slow or unreachable)
-                        nursery.start_soon(announce, kv, stores, advertise, volume_uuid,
-                                           secret, 12, tls and tls.context(server=False))
-                    await nursery.start(keep_registered, kv, name,
-                                        advertise or f"{host}:{bound}", stores)
+            if beside is not None:
+                await nursery.start(beside, stores, advertise or f"{host}:{bound}", advertise)
             if ready:
                 ready(bound)
     finally:
         server.close()
-        if kv is not None:
-            await kv.aclose()
         for fd in locks:
             if fd >= 0:
                 os.close(fd)

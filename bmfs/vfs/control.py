@@ -265,18 +265,18 @@ class Control:
     async def run(self, op: str, args: dict):
         """Run request ``op`` with ``args`` (checked by check_request)."""
         if op == "status":
-            from .status import volume_status
+            from ..volume.status import volume_status
             return await volume_status(self.fs.volume)
         if op == "devices":  # every device record, removed ones too
-            from .volume import device_records
+            from ..volume.volume import device_records
             return {str(dev): rec for dev, rec in (await device_records(self.kv)).items()}
         if op == "admin_group":
             return {"admin_group": self._group, "gid": self.admin_gid}
         if op == "set_admin_group":
             return await self._set_group(args["group"])
         if op in _DEVICE_OPS:
-            from . import repair
-            return await getattr(repair, op)(self.fs.volume, **args)
+            from ..volume.admin import DEVICE_OPS
+            return await DEVICE_OPS[op](self.fs.volume, **args)
         fn = getattr(branches, "op_" + op)
         deleting = op in ("branch_delete", "snapshot_delete")
         if deleting:

@@ -70,7 +70,7 @@ class FileSystem:
         self.files = Files(self)
         self.control = None  # set by control.py (branch commands through /.bm/ctl)
         # set when a branch or snapshot deleted here has layers to collect: the mount's
-        # upkeep (fuse/mount.py _gc_loop) collects them at once, in the background
+        # upkeep (volume/upkeep.py) collects them at once, in the background
         self.collect_now = trio.Event()
         self.notify = None   # set by the front end: async inode(fino), entry(parent, name)
         self._ino_next = self._ino_end = 0

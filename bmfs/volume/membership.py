@@ -6,6 +6,11 @@ node dies the lease expires and the record vanishes, so `bmfs status` (and anyth
 placing fragments) sees who is alive from the metadata. At start, such a node also
 announces its address for the devices it serves (``announce``). With the embedded SQLite
 engine the mount owns the metadata; the mount then asks nodes directly (STAT).
+
+The node itself (bmfs/node/) keeps nothing but its devices and opens no metadata:
+``keeper`` is what `bmfs node serve --meta` runs beside it (run_node's ``beside``),
+as a 3FS storage service's heartbeats to its manager are a client beside the
+storage engine.
 """
 from __future__ import annotations
 
@@ -21,6 +26,40 @@ from ..meta import keys
 log = logging.getLogger(__name__)
 TTL = 10
 RENEW_EVERY = 3.0
+
+
+def keeper(meta: str, name: str, volume_uuid: str, secret: bytes, tls=None):
+    """run_node's ``beside`` for a node started with ``--meta``: open the metadata at
+    ``meta`` (etcd, this volume's), keep the node's leased record ``name`` there and
+    announce its advertised address for the devices it serves (in the background:
+    etcd may be slow or unreachable). Metadata without leases, or not this volume's,
+    is left alone. ``tls``: the client SSL context that reaches the other nodes."""
+    async def keep(stores: dict, address: str, advertise: str | None,
+                   task_status=trio.TASK_STATUS_IGNORED) -> None:
+        from ..kv import open_kv
+        kv = await open_kv(meta)
+        try:
+            if not kv.caps.leases:
+                task_status.started()
+                return
+            try:
+                ours = await is_volume(kv, volume_uuid)
+            except FsError:  # unreachable for now: registered once it answers
+                ours = True
+            if not ours:
+                log.warning("the metadata at %s is not volume %s's: not registered "
+                            "there, no addresses announced", meta, volume_uuid)
+                task_status.started()
+                return
+            async with trio.open_nursery() as nursery:
+                if advertise:
+                    nursery.start_soon(announce, kv, stores, advertise, volume_uuid,
+                                       secret, 12, tls)
+                await nursery.start(keep_registered, kv, name, address, stores)
+                task_status.started()
+        finally:
+            await kv.aclose()
+    return keep
 
 
 async def keep_registered(kv, name: str, address: str, stores: dict, task_status=trio.TASK_STATUS_IGNORED):
@@ -96,8 +135,8 @@ async def _answers(address: str, dev: int, volume_uuid: str, secret: bytes,
 
 async def _announce(kv, devices, address: str, volume_uuid: str, secret: bytes,
                     tls=None) -> list[int]:
-    from ..vfs.repair import change_device
-    from ..vfs.volume import device_records
+    from .devices import change_device
+    from .volume import device_records
     if not await is_volume(kv, volume_uuid):
         log.warning("the metadata at --meta is not volume %s's: device addresses not "
                     "announced", volume_uuid)

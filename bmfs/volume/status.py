@@ -42,7 +42,7 @@ async def volume_status(volume, data_stats: dict | None = None) -> dict:
             if u.get("unexpected_entries"):  # links or foreign files where fragments go
                 rec["unexpected_entries"] = u["unexpected_entries"]
         devices.append(rec)
-    from ..node.membership import live_nodes
+    from .membership import live_nodes
     nodes = await live_nodes(volume.kv)
     for d in devices:
         for name, rec in nodes.items():

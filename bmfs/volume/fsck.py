@@ -26,7 +26,7 @@ from ..meta.layers import Chain, lscan, split
 from ..meta.records import EC, NO_DEVICE, Inode, Stripe, unpack_dentry, unpack_slices
 from ..meta.namespace import ROOT
 from ..transport import DeviceError
-from .gc import collect
+from ..vfs.gc import collect
 
 RECORDS_PAGE = 1000  # records read at a time by check_records
 
@@ -246,7 +246,7 @@ async def fsck(volume, full: bool = False, repair: bool = False) -> tuple[list[s
 
 async def _check_namespace(volume, full: bool, repair: bool, problems: list[str],
                            notes: list[str]) -> None:
-    from .views import Views
+    from ..vfs.views import Views
     views = Views(volume.kv)
     collecting = await volume.kv.get(keys.COLLECT_LAYERS) is not None
     if collecting and repair:

@@ -6,7 +6,7 @@ their holder lives, and must free them once it has died. So each mount puts a re
 under ``m/<mount id>`` attached to an etcd lease of :data:`TTL` seconds and renews the
 lease every ``TTL / 3`` s; if the mount dies, etcd deletes the record when the lease
 runs out, and the next orphan sweep of any live mount (every few seconds, see
-fuse/mount.py) frees its orphans. Engines without leases (memory, sqlite) have a single
+volume/upkeep.py) frees its orphans. Engines without leases (memory, sqlite) have a single
 owner, which frees leftover orphans when it mounts.
 
 The record also says up to which change of the device records the mount has stopped
@@ -101,7 +101,7 @@ async def confirm_devices(fs) -> None:
     draining, say: Volume.devices_seq), wait until every stripe it placed before is
     committed (being written then: DataClient.uncommitted; queued behind: kv.sync),
     then raise ``devices_confirmed``, which keep_alive puts in the ``m/`` record at
-    once. A drain waits for every live mount to confirm its mark (repair.drain): from
+    once. A drain waits for every live mount to confirm its mark (devices.drain): from
     then on no stripe lands on the device. Runs until cancelled."""
     volume = fs.volume
     while True:
@@ -109,7 +109,7 @@ async def confirm_devices(fs) -> None:
             await volume.devices_changed.park()
         seq = volume.devices_seq
         # (writes end, stored or failed, within the transport's timeouts; a drain
-        # does not wait for a mount longer than repair.MOUNTS_TIMEOUT)
+        # does not wait for a mount longer than devices.MOUNTS_TIMEOUT)
         placed_before = set(volume.data.uncommitted)
         while placed_before & volume.data.uncommitted:
             await trio.sleep(0.05)
@@ -130,7 +130,7 @@ async def leads_repair(fs) -> bool:
     goes with its lease (TTL s) and the next oldest takes over. Two mounts that
     briefly both think they lead (clocks apart, a record not put yet) only duplicate
     work: repair's commit moves a fragment only if its record still names the device
-    it replaced (vfs/repair.py)."""
+    it replaced (volume/repair.py)."""
     mine = keys.mount(fs.mount_id)
     oldest = None
     for k, v in await fs.kv.range(*keys.span(keys.MOUNT_PREFIX)):

@@ -111,6 +111,7 @@ class WriteBehind:
         self.lost = 0            # statistics: acknowledged entries that could not commit
         self.batches = 0
         self.entries = 0
+        self.given_up = 0        # statistics: times the token was given up
         self.group_wait = GROUP_WAIT
         self.waiting = 0         # tasks waiting for the queue (drain): send at once
         self._wake = trio.Event()      # the committer has work (or a recall)
@@ -448,6 +449,7 @@ class WriteBehind:
         async with self._lock:
             await self._release_token()
             self.holding = self.recalled = False
+            self.given_up += 1
             self.last_recall = trio.current_time()
             self._notify()
 
@@ -518,5 +520,5 @@ class WriteBehind:
 
     def statistics(self) -> dict:
         return {"holding": self.holding, "queued": len(self.queue), "batches": self.batches,
-                "entries": self.entries, "lost": self.lost}
+                "entries": self.entries, "lost": self.lost, "given_up": self.given_up}
 

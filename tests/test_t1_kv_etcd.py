@@ -43,6 +43,30 @@ async def _caches_live(*kvs):
             await trio.sleep(0.01)
 
 
+def _count_calls(kv) -> list:
+    """The gateway paths ``kv`` requests from now on, in order."""
+    sent, real = [], kv._call
+
+    async def counting(path, body, timeout=None):
+        sent.append(path)
+        return await real(path, body, timeout)
+    kv._call = counting
+    return sent
+
+
+@contextlib.asynccontextmanager
+async def _writing_behind(cluster, a):
+    """``a`` with its cache live and write-behind on, and a second client without a
+    cache (it reads etcd itself)."""
+    c = await EtcdKV.create(cluster.url, cache=False)
+    try:
+        await _caches_live(a)
+        a.enable_write_behind()
+        yield c
+    finally:
+        await c.aclose()
+
+
 async def _incr(txn):
     n = int(await txn.get(b"ctr") or b"0") + 1
     txn.put(b"ctr", b"%d" % n)
@@ -364,13 +388,8 @@ def test_complete_prefixes(etcd_cluster):
                 await _put(b, b"d/%d" % i, b"v%d" % i)
             await a.prefetch(b"d/")
             assert a.cache.covers(b"d/")
-            calls = []
             real = a._call
-
-            async def counting(path, body, timeout=None):
-                calls.append(path)
-                return await real(path, body, timeout)
-            a._call = counting
+            calls = _count_calls(a)
             t = a.begin()
             assert await t.get(b"d/9") is None                   # absent: known locally
             assert [k for k, _ in await t.range(b"d/", b"d0")] == [b"d/0", b"d/1", b"d/2"]
@@ -452,10 +471,7 @@ def test_write_behind_sync_under_load(etcd_cluster):
     etcd_cluster.wipe()
 
     async def main(a):
-        c = await EtcdKV.create(etcd_cluster.url, cache=False)
-        try:
-            await _caches_live(a)
-            a.enable_write_behind()
+        async with _writing_behind(etcd_cluster, a) as c:
             stop = False
 
             async def busy():
@@ -473,8 +489,33 @@ def test_write_behind_sync_under_load(etcd_cluster):
                 still_busy = a.wb.queue or int(await a.begin().get(b"ctr")) > before
                 stop = True
             assert committed >= before and still_busy
-        finally:
-            await c.aclose()
+    run(etcd_cluster, main)
+
+
+def test_write_behind_groups_operations_into_few_transactions(etcd_cluster):
+    """Operations queued one at a time, each a moment after the last (as FUSE requests
+    come), reach etcd in one transaction per batch, not one each; a sync (fsync) sends
+    the batch at once instead of letting it gather."""
+    etcd_cluster.wipe()
+
+    async def main(a):
+        async with _writing_behind(etcd_cluster, a) as c:
+            await a.transact(_incr)  # takes the token
+            await a.sync()
+            assert a.wb.holding
+            a.wb.group_wait = 60.0  # longer than the test: only sync sends the batch
+            sent = _count_calls(a)
+            for i in range(50):
+                async def put(txn, i=i):
+                    txn.put(b"g/%02d" % i, b"v")
+                await a.transact(put)
+                await trio.sleep(0.002)
+            assert sent.count("/v3/kv/txn") == 0 and len(a.wb.queue) == 50
+            with trio.fail_after(30):
+                await a.sync()
+            assert sent.count("/v3/kv/txn") == 1
+            assert [k for k, _ in await c.range(b"g/", b"g0")] == [b"g/%02d" % i
+                                                                for i in range(50)]
     run(etcd_cluster, main)
 
 

@@ -3,7 +3,8 @@
 # a virtualenv in .venv with the Python dependencies, the `bmfs` command on PATH
 # and the mount.fuse.bmfs helper. Idempotent: a second run only checks.
 #   tools/setup.sh          runtime dependencies
-#   tools/setup.sh --test   also the test and benchmark dependencies (etcd, fio, ...)
+#   tools/setup.sh --test   also the test and benchmark dependencies (etcd, fio,
+#                           JuiceFS and py-spy for tools/bench, ...)
 set -eu
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -25,7 +26,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 if [ "${1:-}" = "--test" ]; then
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e ".[test,bench]"
 else
   .venv/bin/python -m pip install -q -e .
 fi

@@ -43,11 +43,13 @@ conflict on one of its keys, the watch ending, memory limits).
 from __future__ import annotations
 
 import bisect
+import logging
 
 import trio
 
 from . import prefix_end
 
+log = logging.getLogger(__name__)
 MAX_ENTRIES = 500_000     # beyond this, the oldest half is dropped
 MAX_RECENT = 100_000      # beyond this, ``recent`` is cleared and ``floor`` raised
 MAX_COMPLETE = 200_000    # complete prefixes kept; beyond this, the oldest half is dropped
@@ -72,6 +74,7 @@ class ReadCache:
         self.on_stop = None     # hook: f() when the watch ends
         self.hits = 0           # statistics
         self.misses = 0
+        self.gave_up = 0        # waits for the watch that timed out (the cache restarted)
 
     # -- reads ---------------------------------------------------------------------
     def lookup(self, key: bytes) -> tuple[bytes | None, int] | None:
@@ -241,12 +244,18 @@ class ReadCache:
             while self.live and self.watch_rev < rev:
                 await self._moved.wait()
             return self.live
+        # (a mount holding the write-behind token gives it up too: until the cache is
+        # live again and the token taken back, every operation is an etcd round trip)
+        log.warning("etcd read cache: the watch is still at revision %d, %d behind, "
+                    "after %.0f s; reading from etcd until a new watch has caught up",
+                    self.watch_rev, rev - self.watch_rev, BARRIER_WAIT)
+        self.gave_up += 1
         self.stopped()
         return False
 
     def statistics(self) -> dict:
         return {"entries": len(self.entries), "complete_prefixes": len(self.complete),
-                "hits": self.hits, "misses": self.misses,
+                "hits": self.hits, "misses": self.misses, "gave_up": self.gave_up,
                 "live": self.live, "watch_revision": self.watch_rev}
 
 

@@ -13,7 +13,8 @@ client that may commit behind. While it holds the token:
   returns at once;
 - a committer task sends the queue to etcd in order, as few transactions as possible
   (each carries every entry queued meanwhile; its compares are the entries' reads
-  plus the token's revision, so nothing commits if the token was lost);
+  plus the token's revision, so nothing commits if the token was lost), each after
+  letting the batch gather a moment (``_gather``);
 - ``sync()`` (fsync, fsyncdir) and ``aclose()`` wait until the queue is committed.
 
 Why a local decision is exact, and stays so:
@@ -42,13 +43,14 @@ every file closed here. If the holder is dead, its lease ends the token within 5
 Consequences (documented in docs/etcd.md): reads on other clients see the holder's
 changes once committed (milliseconds behind); the first change another client makes
 after the holder was active waits for the recall (one queue flush); if the
-holder is killed (kill -9, power loss) the changes still queued are lost (at most a
-few milliseconds of operations: they were never fsync'ed), as a local filesystem loses
+holder is killed (kill -9, power loss) the changes still queued are lost (at most
+a batch's gathering time and commit of operations: they were never fsync'ed), as a local filesystem loses
 un-fsync'ed metadata in a crash. If the holder loses its lease (cut off from etcd for
 over 5 s) the queue cannot commit: its entries are dropped and logged as lost.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
@@ -68,6 +70,8 @@ QUIET = 5.0           # seconds after a recall before this client takes the toke
 MAX_QUEUE = 4096      # entries queued before transact waits for the committer
 MAX_BATCH_OPS = 4000  # compares + writes in one etcd transaction (etcd: --max-txn-ops)
 MAX_LANDED = 100_000  # last committed queue write per key kept (see ``landed``)
+GROUP_WAIT = 0.02     # seconds a batch may gather entries before it is sent
+GROUP_ENTRIES = 256   # entries that send a batch at once
 
 
 class _Entry:
@@ -92,6 +96,7 @@ class WriteBehind:
         self.lease = 0
         self.queue: list[_Entry] = []
         self.overlay: dict[bytes, tuple[bytes | None, int]] = {}  # key -> (value, seq)
+        self._sorted: list[bytes] | None = []  # the overlay's keys in order (None: to sort)
         self.seq = 0
         # key -> (seq, revision) of the last queued write of key that was committed
         self.landed: dict[bytes, tuple[int, int]] = {}
@@ -106,6 +111,9 @@ class WriteBehind:
         self.lost = 0            # statistics: acknowledged entries that could not commit
         self.batches = 0
         self.entries = 0
+        self.given_up = 0        # statistics: times the token was given up
+        self.group_wait = GROUP_WAIT
+        self.waiting = 0         # tasks waiting for the queue (drain): send at once
         self._wake = trio.Event()      # the committer has work (or a recall)
         self._state = trio.Event()     # set (and replaced) when holding/recalled/stalled change
         self._lock = trio.Lock()       # one acquisition or release at a time
@@ -139,8 +147,18 @@ class WriteBehind:
         """``(key, value or None, -seq)`` of the queued writes in [start, end)."""
         if not self.overlay:
             return []
-        return [(k, v, -seq) for k, (v, seq) in self.overlay.items()
-                if k >= start and (not end or k < end)]
+        # (a range reads the keys in it, not the whole queue: the queue is thousands of
+        # keys while etcd is slow, and unlinks, listings and writes range over one
+        # inode's prefix each)
+        if self._sorted is None:
+            self._sorted = sorted(self.overlay)
+        keys = self._sorted
+        hi = bisect.bisect_left(keys, end) if end else len(keys)
+        out = []
+        for k in keys[bisect.bisect_left(keys, start):hi]:
+            v, seq = self.overlay[k]
+            out.append((k, v, -seq))
+        return out
 
     # -- transactions ----------------------------------------------------------------
     async def transact(self, fn, attempts, base_transact):
@@ -233,6 +251,8 @@ class WriteBehind:
         self.seq += 1
         self.queue.append(_Entry(reads, dict(txn.writes), self.seq))
         for k, v in txn.writes.items():
+            if self._sorted is not None and k not in self.overlay:
+                bisect.insort(self._sorted, k)
             self.overlay[k] = (v, self.seq)
         self._wake.set()
 
@@ -247,9 +267,15 @@ class WriteBehind:
             IOFailure: queued changes were lost meanwhile (the token's lease ended).
         """
         last, lost = self.seq, self.lost  # (not what is queued meanwhile: under load,
-        with trio.move_on_after(timeout):   # the queue is never empty)
-            while self.queue and self.queue[0].seq <= last and not self.stalled:
-                await self._state.wait()
+        self.waiting += 1                   # the queue is never empty)
+        self._wake.set()  # the committer stops gathering (_gather)
+        try:
+            with trio.move_on_after(timeout) as scope:
+                while self.queue and self.queue[0].seq <= last and not self.stalled:
+                    await self._state.wait()
+        finally:
+            self.waiting -= 1
+        if not scope.cancelled_caught:
             if self.lost > lost:
                 raise IOFailure("etcd metadata: queued changes of this mount could not be "
                                 "committed and are lost (see the mount's log)")
@@ -382,9 +408,28 @@ class WriteBehind:
                     await self._wake.wait()
                     self._wake = trio.Event()
                     while self.queue:
+                        await self._gather()
                         await self._commit_batch()
                     if self.holding and self.recalled:
                         await self._give_up()
+
+    async def _gather(self) -> None:
+        """Let the batch grow before it is sent: until GROUP_ENTRIES are queued or
+        ``group_wait`` has passed, or at once when someone waits for the queue (fsync,
+        a synchronous commit, unmount) or the token is being given up.
+
+        Why: every etcd transaction costs the mount a request and a watch event and
+        each member a Raft round and an fsync, whatever it carries. Operations that
+        each write a key or two (an atime at every first read, an unlink) would
+        otherwise go one or two per transaction, as fast as etcd takes them, and that
+        work, on the machines the mount shares with etcd, is what the operations wait
+        for. Nothing waits for the batch meanwhile (the operations have returned);
+        what a crash of the holder loses is at most this much more."""
+        with trio.move_on_after(self.group_wait):
+            while (len(self.queue) < GROUP_ENTRIES and not self.waiting
+                   and not self.recalled):
+                await self._wake.wait()
+                self._wake = trio.Event()
 
     async def _keepalive(self):
         while True:
@@ -404,6 +449,7 @@ class WriteBehind:
         async with self._lock:
             await self._release_token()
             self.holding = self.recalled = False
+            self.given_up += 1
             self.last_recall = trio.current_time()
             self._notify()
 
@@ -457,6 +503,7 @@ class WriteBehind:
                     self.landed[k] = (e.seq, rev)
                 if self.overlay[k][1] == e.seq:  # no later entry wrote it
                     del self.overlay[k]
+                    self._sorted = None  # (sorted again at the next range: once a batch)
         self._notify()  # (drain waits for its part of the queue)
 
     async def aclose(self) -> None:
@@ -473,5 +520,5 @@ class WriteBehind:
 
     def statistics(self) -> dict:
         return {"holding": self.holding, "queued": len(self.queue), "batches": self.batches,
-                "entries": self.entries, "lost": self.lost}
+                "entries": self.entries, "lost": self.lost, "given_up": self.given_up}
 

@@ -79,7 +79,12 @@ class Unit:
     def env(self) -> dict:
         env = {}
         for path in self.get("EnvironmentFile"):
-            env.update(read_env(path.replace("%i", self.instance)))
+            path = path.replace("%i", self.instance)
+            if path.startswith("-"):  # (a file that may be missing)
+                if not os.path.exists(path[1:]):
+                    continue
+                path = path[1:]
+            env.update(read_env(path))
         return env
 
     def command(self, line: str) -> tuple[list[str], bool]:
@@ -263,11 +268,21 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
 
         for i in range(4):
             add(i)
+        # the mount's metrics endpoint, from mount.env.example on a free port
+        metrics_port = free_ports(1)[0]
+        example_env = read_env(os.path.join(UNITS, "mount.env.example"))
+        assert "--metrics 127.0.0.1:" in example_env["BMFS_MOUNT_OPTS"]
+        (etc / "mount.env").write_text("BMFS_MOUNT_OPTS=" + re.sub(
+            r"127\.0\.0\.1:\d+", f"127.0.0.1:{metrics_port}",
+            example_env["BMFS_MOUNT_OPTS"]) + "\n")
         mount = Unit("bmfs-mount.service", root)
         mp = root / "bm"
         mount.start()
         try:
             assert is_mounted(mp)
+            import urllib.request
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+                assert b"bmfs_fuse_operations_total" in r.read()
             dev = find_mount(str(mp))["dev"]
             with open(f"/sys/class/bdi/{dev}/read_ahead_kb") as f:
                 assert int(f.read()) == 4096

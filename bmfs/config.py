@@ -64,6 +64,7 @@ class MountOptions:
     dev: bool = True          # device files usable (root's mounts only: FUSE forces
     suid: bool = True         # nodev and nosuid on other users' mounts)
     exec: bool = True
+    metrics: str | None = None  # HOST:PORT of the Prometheus endpoint (metrics.py), or off
 
 
 MAX_NAME = 255

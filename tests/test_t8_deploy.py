@@ -79,7 +79,12 @@ class Unit:
     def env(self) -> dict:
         env = {}
         for path in self.get("EnvironmentFile"):
-            env.update(read_env(path.replace("%i", self.instance)))
+            path = path.replace("%i", self.instance)
+            if path.startswith("-"):  # (a file that may be missing)
+                if not os.path.exists(path[1:]):
+                    continue
+                path = path[1:]
+            env.update(read_env(path))
         return env
 
     def command(self, line: str) -> tuple[list[str], bool]:
@@ -263,11 +268,21 @@ def test_a_volume_on_storage_nodes_run_from_the_systemd_units(tmp_path, etcd_clu
 
         for i in range(4):
             add(i)
+        # the mount's metrics endpoint, from mount.env.example on a free port
+        metrics_port = free_ports(1)[0]
+        example_env = read_env(os.path.join(UNITS, "mount.env.example"))
+        assert "--metrics 127.0.0.1:" in example_env["BMFS_MOUNT_OPTS"]
+        (etc / "mount.env").write_text("BMFS_MOUNT_OPTS=" + re.sub(
+            r"127\.0\.0\.1:\d+", f"127.0.0.1:{metrics_port}",
+            example_env["BMFS_MOUNT_OPTS"]) + "\n")
         mount = Unit("bmfs-mount.service", root)
         mp = root / "bm"
         mount.start()
         try:
             assert is_mounted(mp)
+            import urllib.request
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+                assert b"bmfs_fuse_operations_total" in r.read()
             dev = find_mount(str(mp))["dev"]
             with open(f"/sys/class/bdi/{dev}/read_ahead_kb") as f:
                 assert int(f.read()) == 4096
@@ -502,7 +517,11 @@ def test_the_kubernetes_daemonsets_commands(tmp_path, etcd_cluster):
     device_host = {v["name"]: v for v in node_spec["volumes"]}["device"]["hostPath"]["path"]
     nodes, ports = [], free_ports(6)
     client = tmp_path / "client"
-    client_pod = Pod(mount_spec, client, {}, config, secrets)
+    client_pod = Pod(mount_spec, client, {"status.hostIP": "127.0.0.1"}, config, secrets)
+    mount_c = dict(mount_c, command=list(mount_c["command"]))  # (a free metrics port)
+    mount_metrics = free_ports(1)[0]
+    mount_c["command"][-1] = mount_c["command"][-1].replace(
+        "$(NODE_IP):9100", f"$(NODE_IP):{mount_metrics}")
     bm = client / "var/lib/bmfs/bm"
     proc = None
     try:
@@ -524,6 +543,7 @@ def test_the_kubernetes_daemonsets_commands(tmp_path, etcd_cluster):
             cmd = pod.command(node_c)
             # (six "machines" on one address: each node gets a port of its own)
             cmd[cmd.index("127.0.0.1:7000")] = f"127.0.0.1:{port}"
+            cmd[cmd.index("127.0.0.1:9101")] = f"127.0.0.1:{free_ports(1)[0]}"
             with open(tmp_path / f"node{i}.log", "ab") as log:
                 nodes.append(subprocess.Popen(cmd, stdout=log, stderr=log))
         for port, node in zip(ports, nodes):
@@ -531,7 +551,13 @@ def test_the_kubernetes_daemonsets_commands(tmp_path, etcd_cluster):
         # the mount pod: its command prepares the volume directory, then mounts
         proc = client_pod.run(mount_c, tmp_path / "mount.log")
         _wait_mounted(bm, proc, tmp_path / "mount.log")
-        assert (client / "var/lib/bmfs/volume/secret").read_text() == (vol / "secret").read_text()
+        # the cluster secret is read from the Secret's volume: none on the machine's disk
+        assert not (client / "var/lib/bmfs/volume/secret").exists()
+        host_volume = json.loads((client / "var/lib/bmfs/volume/volume.json").read_text())
+        assert host_volume["secret"] == str(secret_dir / "secret")
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{mount_metrics}/metrics") as r:
+            assert b"bmfs_fuse_operations_total" in r.read()
         for i, port in enumerate(ports):  # step 4 of the manifest's header
             bmfs("node", "add", device_host, "--id", 10 + i, "--address",
                  f"127.0.0.1:{port}", "-m", bm)

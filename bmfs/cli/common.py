@@ -15,6 +15,43 @@ def run_trio(fn, *args):
     return trio.run(fn, *args)
 
 
+def metrics_option(p) -> None:
+    """--metrics ADDR, for the daemons (mount, node serve)."""
+    p.add_argument("--metrics", metavar="ADDR",
+                   help="serve Prometheus metrics at PORT or HOST:PORT (the host defaults "
+                        "to 127.0.0.1; no authentication: docs/operations.md); off by "
+                        "default")
+
+
+def check_metrics_address(addr: str | None) -> None:
+    """A malformed --metrics is the user's mistake, found before anything starts."""
+    if addr is not None:
+        from ..metrics import parse_address
+        try:
+            parse_address(addr)
+        except ValueError as e:
+            raise UserError(str(e))
+
+
+def start_metrics(addr: str | None):
+    """Serve the metrics at ``addr`` (--metrics), or nothing if None; the server.
+
+    Raises:
+        UserError: a malformed address, or one that cannot be bound (in use...).
+    """
+    if addr is None:
+        return None
+    import errno
+    from .. import metrics
+    check_metrics_address(addr)
+    try:
+        return metrics.start(addr)
+    except OSError as e:
+        why = "in use by another process" if e.errno == errno.EADDRINUSE else \
+            (e.strerror or str(e))
+        raise UserError(f"--metrics {addr}: cannot listen there: {why}")
+
+
 def _unescape(field: str) -> str:
     """A field of /proc/self/mountinfo: space, tab, newline and backslash are octal
     escapes there (\\040...)."""

@@ -12,7 +12,8 @@ import time
 
 from ..config import MountOptions, default_volume
 from .main import UserError
-from .common import find_mount, mounts, run_trio
+from .common import (check_metrics_address, find_mount, metrics_option, mounts, run_trio,
+                     start_metrics)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ def add_parser(sub):
                    help="mount options, comma-separated: ro, rw, relatime (default), "
                    "strictatime, noatime, dev, nodev, suid, nosuid, exec, noexec, "
                    "branch=NAME (docs/operations.md)")
+    metrics_option(p)
     p.add_argument("--ready-fd", type=int, help=argparse_suppress())
     p.set_defaults(func=run)
 
@@ -87,6 +89,7 @@ def run(args) -> int:
         raise UserError("bmfs mount does not remount: use mount -o remount,... MOUNTPOINT")
     args.branch = branch or args.branch
     mp = os.path.abspath(args.mountpoint)
+    check_metrics_address(args.metrics)
     volume = args.volume or default_volume()
     if args.volume is None and not os.path.exists(os.path.join(volume, "volume.json")):
         from ..config import parse_ec
@@ -99,7 +102,7 @@ def run(args) -> int:
     from ..volume.volume import read_volume_file
     read_volume_file(volume)  # a missing or foreign volume fails here, in one line
     opts = MountOptions(branch=args.branch, attr_timeout=args.timeout,
-                        entry_timeout=args.timeout, **flags)
+                        entry_timeout=args.timeout, metrics=args.metrics, **flags)
     if args.foreground:
         return _serve(volume, mp, opts, args.ready_fd)
     return _spawn(volume, mp, args)
@@ -134,6 +137,7 @@ def _serve(volume, mp, opts, ready_fd) -> int:
                     notify_ready(f"mounted {volume} at {mp}")
             threading.Thread(target=up, daemon=True).start()
     try:
+        start_metrics(opts.metrics)  # (first: an address in use fails before the mount)
         run_trio(serve, volume, mp, opts, ready)
     except Exception as e:
         if ready_fd is not None:
@@ -150,6 +154,8 @@ def _spawn(volume, mp, args) -> int:
     cmd = [sys.executable, "-m", "bmfs.cli.main", "mount", mp, "--volume", volume,
            "--branch", args.branch, "--timeout", str(args.timeout), "-o", args.options,
            "--foreground", "--ready-fd", str(w)]
+    if args.metrics:
+        cmd += ["--metrics", args.metrics]
     log = open(os.path.join(volume, "mount.log"), "ab")
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             pass_fds=(w,), start_new_session=True)

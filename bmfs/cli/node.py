@@ -5,7 +5,7 @@ import os
 
 from ..config import LAYOUTS
 from .main import UserError
-from .common import run_trio
+from .common import metrics_option, run_trio, start_metrics
 from .repair import limit_option, run_op
 
 
@@ -37,6 +37,7 @@ def add_parser(sub):
     s.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     s.add_argument("--tls-ca", metavar="PEM", help="the cluster CA: clients must present "
                    "a certificate it signed")
+    metrics_option(s)
     s.add_argument("--fault", default=os.environ.get("BMFS_NODE_FAULT"),
                    help="test fault control: delay=SECONDS slows every read reply")
     s.set_defaults(func=run_serve)
@@ -109,6 +110,8 @@ def run_serve(args) -> int:
         ahost, _, aport = args.advertise.rpartition(":")
         if not ahost or not aport.isdigit() or not 0 < int(aport) < 65536:
             raise UserError(f"--advertise wants HOST:PORT, not {args.advertise!r}")
+    # first: an address in use fails before a device is formatted or locked
+    start_metrics(args.metrics)
     devices = _devices(args, formatted=not args.format)
     if args.format:
         _format_new(devices, args.volume_uuid, args.layout)

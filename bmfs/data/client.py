@@ -17,9 +17,11 @@ import itertools
 import logging
 import math
 import sys
+import time
 
 import trio
 
+from .. import metrics
 from ..errors import IOFailure, NoSpace
 from ..lru import LRU
 from ..meta.records import EC, INLINE, NO_DEVICE, Stripe
@@ -30,6 +32,12 @@ from .native import NATIVE
 from .placement import place_available
 
 log = logging.getLogger(__name__)
+_WRITES, _READS = metrics.STRIPE_OPS.labels("write"), metrics.STRIPE_OPS.labels("read")
+_WRITE_S = metrics.STRIPE_SECONDS.labels("write")
+_READ_S = metrics.STRIPE_SECONDS.labels("read")
+_WRITE_B = metrics.STRIPE_BYTES.labels("write")
+_READ_B = metrics.STRIPE_BYTES.labels("read")
+_DEGRADED, _HEDGED = metrics.READS.labels("degraded"), metrics.READS.labels("hedged")
 DECODED_CACHE = 8  # stripes (up to 8 x 4 MiB)
 TABLE_CACHE = 4096  # verified block checksum tables kept (4 bytes per 4 KiB block: ~1 KiB)
 HEDGE_MIN = 0.02  # seconds: a read slower than this (and than 4x its node's usual) is hedged
@@ -79,6 +87,7 @@ class DataClient:
             raise NoSpace(f"the volume has {len(self.devices)} devices in service; writes "
                           f"need at least {k + 1} ({k}+{m}): add devices (bmfs node add)")
         self.uncommitted.add(sid)
+        t0 = time.perf_counter()
         cd = codec(k, m)
         version = fr.VERSION
         def encode():  # one hop to a worker thread for the CPU work of a stripe
@@ -130,6 +139,9 @@ class DataClient:
             raise
         # what a failed put left (a file cut short by a full device, say) is nobody's
         await self._discard(sid, tried)
+        _WRITES.inc()
+        _WRITE_B.inc(length)
+        _WRITE_S.observe(time.perf_counter() - t0)
         return Stripe(EC, length, 0, k, m, len(frags[0]), stored, frag_version=version)
 
     async def _discard(self, sid: int, where) -> None:
@@ -172,6 +184,7 @@ class DataClient:
             log.warning("sync: %s", e)
 
     async def delete_stripe(self, sid: int, st: Stripe) -> None:
+        metrics.STRIPE_OPS.labels("delete").inc()
         await self._delete_fragments(sid, enumerate(st.devices))
 
     async def _delete_fragments(self, sid: int, where) -> None:
@@ -201,7 +214,12 @@ class DataClient:
     async def read(self, sid: int, st: Stripe, offset: int, length: int):
         """Bytes [offset, offset+length) of the stripe (clipped to its length): bytes,
         or a read-only memoryview (no copy of a large reply) when not clipped."""
+        t0 = time.perf_counter()
         data = await self._read(sid, st, offset, length)
+        if st.kind != INLINE:
+            _READS.inc()
+            _READ_S.observe(time.perf_counter() - t0)
+        _READ_B.inc(len(data))
         return bytes(data) if len(data) < length and isinstance(data, memoryview) else data
 
     async def _read(self, sid: int, st: Stripe, offset: int, length: int):
@@ -297,6 +315,7 @@ class DataClient:
         survivors = [(j, bytes(LIB_HEADER) + bytes(got[j])) for j in chosen]
         (out,) = NATIVE.rs_rebuild(st.k, st.m, n, survivors, [i])
         self.stats["degraded_reads"] += 1
+        _DEGRADED.inc()
         self.stats["ranges_rebuilt"] += 1
         return bytes(out)
 
@@ -326,6 +345,7 @@ class DataClient:
             failed = True
         if not failed:
             self.stats["hedged_reads"] = self.stats.get("hedged_reads", 0) + 1
+            _HEDGED.inc()
         try:
             return await self._read_decoded(sid, st, offset, end, slow)
         except IOFailure:
@@ -465,6 +485,7 @@ class DataClient:
         some row not determined by them, what the rest determine, and holes where
         the data fragments' own blocks are bad."""
         self.stats["degraded_reads"] += 1
+        _DEGRADED.inc()
         k, geo = st.k, fr.geometry(st.frag_version, st.frag_len)
         got, runs = await self._gather(
             sid, st, avoid, lambda i: self._read_blocks(sid, st, i),
@@ -549,6 +570,7 @@ class DataClient:
     def _damaged(self, sid, index, why):
         key = "corrupt_fragments" if why.startswith("corrupt") else "missing_fragments"
         self.stats[key] += 1
+        metrics.DAMAGE.labels(key.split("_")[0]).inc()
         log.warning("stripe %d fragment %d %s", sid, index, why)
         self.on_damage(sid, index, why)
 

@@ -22,6 +22,7 @@ import urllib.parse
 import pyfuse3
 import trio
 
+from .. import metrics
 from ..config import MountOptions
 from ..errors import FsError
 from ..vfs.fs import ATIME_MODES, FileSystem
@@ -64,6 +65,8 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                 if ready:
                     ready(None)
                 nursery.start_soon(_signals)
+                if opts.metrics:
+                    nursery.start_soon(_sample, fs)
                 nursery.start_soon(ops.idle.run)
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
                 # release what is still open while this mount's m/ record lives: once
@@ -87,6 +90,40 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
             await volume.aclose()
         finally:
             _set_handlers(handlers)
+
+
+SAMPLE_INTERVAL = 5.0  # seconds between the metrics' readings of the volume's state
+
+
+async def _sample(fs) -> None:
+    """Read what metrics.py reports of the volume's state (the repair backlog, the
+    devices) every SAMPLE_INTERVAL: a scrape runs in another thread and cannot ask
+    the metadata or the devices itself."""
+    from ..meta import keys
+    volume = fs.volume
+    state: list = []
+    wb = getattr(volume.kv, "wb", None)
+
+    def rows():
+        out = list(state)
+        out.append(("bmfs_write_behind_queue", (), len(wb.queue) if wb else 0))
+        out.append(("bmfs_open_files_dirty", (),
+                    sum(1 for of in list(fs.files.open_files.values()) if of.dirty)))
+        return out
+    metrics.add_source(rows)
+    while True:
+        try:
+            backlog = len(await volume.kv.range(*keys.span(keys.DAMAGE_PREFIX)))
+            new = [("bmfs_repair_backlog_fragments", (), backlog)]
+            for dev, u in sorted((await volume.device_usage(max_age=0)).items()):
+                healthy = not isinstance(u, Exception) and u is not None
+                new.append(("bmfs_device_healthy", (dev,), int(healthy)))
+                if healthy:
+                    new += metrics.device_rows(dev, u)
+            state[:] = new
+        except FsError as e:  # (the metadata unreachable for now: the last readings stay)
+            log.debug("metrics: %s", e)
+        await trio.sleep(SAMPLE_INTERVAL)
 
 
 def fuse_options(volume_path: str, opts: MountOptions) -> set[str]:

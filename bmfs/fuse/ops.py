@@ -18,6 +18,7 @@ import time
 import pyfuse3
 import trio
 
+from .. import metrics
 from ..errors import FsError, NotFound
 from ..vfs.control import Caller
 from ..vfs.fs import Attr
@@ -55,6 +56,8 @@ _SETATTR = (("update_mode", "mode", "st_mode"), ("update_uid", "uid", "st_uid"),
             ("update_ctime", "ctime_ns", "st_ctime_ns"))
 
 
+_READ_BYTES = metrics.FUSE_BYTES.labels("read")
+_WRITE_BYTES = metrics.FUSE_BYTES.labels("write")
 _nospace_logged = {}  # message -> when it was last logged (time.monotonic)
 
 
@@ -72,29 +75,45 @@ def translate(fn):
     """An Operations handler that raises only FUSEError (domain errors through their
     errno, anything else logged and EIO), and tells the idle spin (fuse/idle.py) when
     a request starts and ends."""
+    op = fn.__name__
+    seconds = metrics.FUSE_SECONDS.labels(op)  # (looked up once, not per request)
+    count = metrics.FUSE_OPS.labels(op)
+
     @functools.wraps(fn)
     async def wrapper(self, *args, **kw):
         idle = self.idle
         idle.begin()
+        t0 = time.perf_counter()
         try:
             return await fn(self, *args, **kw)
         except FsError as e:
             if e.errno == errno.EIO:  # the metadata store or devices failed: say why
-                log.warning("%s: %s", fn.__name__, e)
+                log.warning("%s: %s", op, e)
             elif e.errno == errno.ENOSPC:  # too few devices, or full: say why (once a
-                _log_nospace(fn.__name__, e)  # while: a writer may retry and retry)
+                _log_nospace(op, e)  # while: a writer may retry and retry)
+            _count_error(op, e.errno)
             raise pyfuse3.FUSEError(e.errno)
-        except pyfuse3.FUSEError:
+        except pyfuse3.FUSEError as e:
+            _count_error(op, e.errno)
             raise
         except OSError as e:
-            log.warning("%s: %s", fn.__name__, e)
+            log.warning("%s: %s", op, e)
+            _count_error(op, e.errno or errno.EIO)
             raise pyfuse3.FUSEError(e.errno or errno.EIO)
         except Exception:
-            log.exception("internal error in %s", fn.__name__)
+            log.exception("internal error in %s", op)
+            _count_error(op, errno.EIO)
             raise pyfuse3.FUSEError(errno.EIO)
         finally:
             idle.end()
+            count.inc()
+            seconds.observe(time.perf_counter() - t0)
     return wrapper
+
+
+def _count_error(op: str, err: int) -> None:
+    if op != "lookup" or err != errno.ENOENT:  # (a name looked up and not there: usual)
+        metrics.FUSE_ERRORS.labels(op, errno.errorcode.get(err, str(err))).inc()
 
 
 class KernelNotifier:
@@ -343,13 +362,17 @@ class Operations(pyfuse3.Operations):
     async def read(self, fh, off, size):
         if self.fs.control.owns(fh):
             return self.fs.control.read(fh, off, size)
-        return await self.fs.files.read(fh, off, size)
+        data = await self.fs.files.read(fh, off, size)
+        _READ_BYTES.inc(len(data))
+        return data
 
     @translate
     async def write(self, fh, off, buf):
         if self.fs.control.owns(fh):
             return await self.fs.control.write(fh, buf)
-        return await self.fs.files.write(fh, off, buf)
+        n = await self.fs.files.write(fh, off, buf)
+        _WRITE_BYTES.inc(n)
+        return n
 
     @translate
     async def flush(self, fh):

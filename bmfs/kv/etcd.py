@@ -60,12 +60,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-
 import logging
+import time
 
 import httpx
 import trio
 
+from .. import metrics
 from ..errors import Access, Conflict, IOFailure, NoSpace, NotFound, Unavailable
 from . import KV, Capabilities, merge_rows, prefix_end
 from .etcd_auth import (EtcdAccess, diagnose_tls, parse_url, refusal, tls_refusal,
@@ -118,6 +119,21 @@ class _Expired(_Retry):
 
 def _why(e: Exception) -> str:
     return str(e) if isinstance(e, _Retry) else f"{type(e).__name__}: {e}"
+
+
+@contextlib.contextmanager
+def _round_trip(path: str):
+    """Count and time one request to etcd (metrics.py); one whose answer the caller
+    did not mark usable (``answered[0] = True``) is counted as failed."""
+    t0 = time.perf_counter()
+    answered = [False]  # set by the caller once the answer is usable
+    try:
+        yield answered
+    finally:
+        metrics.ETCD_REQUESTS.labels(path).inc()
+        metrics.ETCD_SECONDS.labels(path).observe(time.perf_counter() - t0)
+        if not answered[0]:
+            metrics.ETCD_FAILURES.labels(path).inc()
 
 
 def _json(ep: str, resp: httpx.Response) -> dict:
@@ -224,12 +240,14 @@ class EtcdKV(KV):
             err = "no answer in time (or the endpoint failed another request)"
             token = self._token if send_token else None
             expired = False
-            with trio.move_on_after(wait) as scope:
+            with trio.move_on_after(wait) as scope, _round_trip(path) as answered:
                 self._inflight[i].add(scope)
                 try:
                     resp = await self._client.post(ep + path, json=body,
                                                    headers=self._headers(token))
-                    return self._check(ep + path, resp.status_code, _json(ep, resp))
+                    out = self._check(ep + path, resp.status_code, _json(ep, resp))
+                    answered[0] = True
+                    return out
                 except _Expired as e:
                     expired, err = True, _why(e)
                 except (httpx.HTTPError, ValueError, _Retry) as e:
@@ -597,10 +615,13 @@ class EtcdKV(KV):
         for again in (False, True):
             token = self._token
             try:
-                with trio.fail_after(timeout or self.request_timeout):
+                with trio.fail_after(timeout or self.request_timeout), \
+                        _round_trip(path) as answered:
                     resp = await self._client.post(ep + path, json=body,
                                                    headers=self._headers(token))
-                    return self._check(ep + path, resp.status_code, _json(ep, resp))
+                    out = self._check(ep + path, resp.status_code, _json(ep, resp))
+                    answered[0] = True
+                    return out
             except _Expired:
                 if again:
                     raise Unavailable(f"etcd {ep}: the token is not taken") from None

@@ -30,6 +30,7 @@ import time
 
 import trio
 
+from .. import metrics
 from ..data.native import optional
 from ..lru import LRU
 from ..store.pmem import lock_device, open_store
@@ -339,6 +340,7 @@ class NodeServer:
             conn.close()
 
     def _serve_one(self, conn, req, payload):
+        t0 = time.perf_counter()
         try:
             resp, parts = self._dispatch(req, payload)
         except (ValueError, KeyError, OverflowError) as e:  # (offsets past off_t's)
@@ -348,6 +350,7 @@ class NodeServer:
         except OSError as e:
             resp, parts = pb.Response(errno=e.errno or errno.EIO, error=str(e)), ()
         resp.id = req.id
+        _count(req.op, resp, payload, t0)
         try:
             conn.send(resp, parts)
         finally:
@@ -521,6 +524,43 @@ class NodeServer:
         raise ValueError(f"unknown operation {op}")
 
 
+_OP_NAMES = {v: k.lower() for k, v in pb.Request.Op.items()}
+
+
+def _count(op: int, resp, payload, t0: float) -> None:
+    """metrics.py: a request served by the Python path (the C path's READs are
+    counted in C: bmfs_node_native_reads)."""
+    name = _OP_NAMES.get(op, str(op))
+    metrics.NODE_REQUESTS.labels(name).inc()
+    metrics.NODE_SECONDS.labels(name).observe(time.perf_counter() - t0)
+    if resp.errno:
+        metrics.NODE_ERRORS.labels(name).inc()
+    elif op == Req.PUT:
+        metrics.NODE_BYTES.labels("written").inc(len(payload))
+    elif op == Req.READ:
+        metrics.NODE_BYTES.labels("sent").inc(sum(resp.lengths))
+
+
+def metrics_source(server: "NodeServer", stores: dict):
+    """The node's state for metrics.py: devices (health, size, free), the C path's
+    READs, connections."""
+    def rows():
+        out = [("bmfs_node_connections", (), server.stats["connections"])]
+        if server._native:
+            out.append(("bmfs_node_native_reads", (), READS.served(server._native)))
+        for dev, st in stores.items():
+            try:
+                st.check()  # (the directory vanished or was replaced: unhealthy)
+                u = st.usage()
+            except Exception:  # (VolumeError, OSError)
+                out.append(("bmfs_device_healthy", (dev,), 0))
+                continue
+            out.append(("bmfs_device_healthy", (dev,), 1))
+            out += metrics.device_rows(dev, u)
+        return out
+    return rows
+
+
 async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict[int, str],
                    volume_uuid: str, ready=None, read_delay: float = 0.0,
                    beside=None, advertise: str | None = None, tls=None) -> None:
@@ -544,6 +584,7 @@ async def run_node(name: str, host: str, port: int, secret: bytes, devices: dict
     server = NodeServer(name, secret, stores, read_delay=read_delay,
                         tls=tls and tls.context(server=True))
     server.volume_uuid = volume_uuid
+    metrics.add_source(metrics_source(server, stores))
     try:
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(server.serve, host, port)

@@ -25,7 +25,7 @@ FLOORS = [
     ("cli", ["bmfs", "bmfs.cli.*"]),  # bmfs itself: bmfs.mmap and friends, for programs
     ("fuse", ["bmfs.fuse.*", "bmfs.typed.*"]),  # typed views work on a mounted path
     ("volume", ["bmfs.cluster.*", "bmfs.vfs.volume", "bmfs.vfs.repair", "bmfs.vfs.status",
-                "bmfs.vfs.fsck"]),  # opening and administering a volume
+                "bmfs.vfs.fsck", "bmfs.vfs.dump"]),  # opening and administering a volume
     ("vfs", ["bmfs.vfs.*"]),
     ("meta/data", ["bmfs.meta.*", "bmfs.data.*"]),
     ("kv/transport", ["bmfs.kv.*", "bmfs.transport.*"]),

@@ -16,7 +16,7 @@ import sys
 from ..errors import FsError, VolumeError
 
 COMMANDS = ["mkfs", "mount", "fsck", "status", "branch", "repair", "node", "cluster", "cat", "type_", "admin",
-            "completion"]
+            "dump", "completion"]
 
 
 class UserError(Exception):

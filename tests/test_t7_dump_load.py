@@ -4,18 +4,15 @@ snapshot); and the dumps that must be refused, each in one line with nothing wri
 import contextlib
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
-import time
 
 import numpy as np
-import pytest
 
 from etcd_cluster import etcd_cluster  # noqa: F401 (a fixture)
 from bmfs.cluster.directory import free_ports
-from mountutil import Mounted, assert_fsck_clean, bmfs, mkfs
+from mountutil import Mounted, assert_fsck_clean, bmfs, mkfs, wait_listening
 
 
 @contextlib.contextmanager
@@ -28,15 +25,7 @@ def _node(port, devices, secret, uuid, log_path):
         cmd += ["--device", d]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, \
-                    open(log_path).read()
-                time.sleep(0.05)
+        wait_listening(port, proc, f"the node (log: {log_path})")
         yield proc
     finally:
         proc.terminate()

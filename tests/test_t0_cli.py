@@ -85,3 +85,17 @@ def test_completion_scripts():
     bad = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "completion", "fish"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_readme_starts_with_the_two_commands_and_lists_every_doc():
+    """A newcomer's README: its first commands are the two that install and mount and
+    install and test, and every page in docs/ is named in it."""
+    import os
+    import re
+    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(top, "README.md")) as f:
+        readme = f.read()
+    commands = re.findall(r"^    (\S.*)$", readme, re.M)
+    assert commands[:2] == ["tools/setup.sh && bmfs mount /bm", "tools/test.sh"]
+    docs = sorted(n for n in os.listdir(os.path.join(top, "docs")) if n.endswith(".md"))
+    assert [d for d in docs if f"docs/{d}" not in readme] == []

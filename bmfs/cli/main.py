@@ -16,7 +16,7 @@ import sys
 from ..errors import FsError, VolumeError
 
 COMMANDS = ["mkfs", "mount", "fsck", "status", "branch", "repair", "node", "cluster", "cat", "type_", "admin",
-            "dump", "completion"]
+            "dump", "completion", "python"]
 
 
 class UserError(Exception):

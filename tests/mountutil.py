@@ -169,3 +169,17 @@ def sit_in(path) -> subprocess.Popen:
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline() == "in\n", p.stderr.read()
     return p
+
+
+def wait_listening(port: int, proc, what: str = "the process", seconds: float = 30) -> None:
+    """Wait until something accepts connections on 127.0.0.1:``port``; fails if
+    ``proc`` (a Popen) exits first or ``seconds`` pass."""
+    import socket
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, f"{what} did not start"
+            time.sleep(0.05)

@@ -48,3 +48,54 @@ def test_mount_options():
             p(bad)
     flags = _mount_flags({"rw", "nodev", "noatime"}, {"read_only": True})
     assert flags == MS_REMOUNT | MS_RDONLY | MS_NODEV | MS_NOATIME
+
+
+def test_help_explains_every_argument():
+    """`--help` of every command says what each of its arguments is: no argument,
+    option or command is listed without a line of help."""
+    import argparse
+
+    from bmfs.cli.main import build_parser
+    missing = []
+
+    def walk(p, path):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                helps = {c.dest: c.help for c in a._choices_actions}
+                for name, sp in a.choices.items():
+                    if not helps.get(name):
+                        missing.append(f"{path} {name}")
+                    walk(sp, f"{path} {name}")
+            elif not a.help:
+                missing.append(f"{path} {'/'.join(a.option_strings) or a.dest}")
+    walk(build_parser(), "bmfs")
+    assert missing == []
+
+
+def test_completion_scripts():
+    """`bmfs completion bash|zsh` prints a script that knows the commands and their
+    options; bash reads it without a syntax error; another shell is a usage error."""
+    res = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "completion", "bash"],
+                         capture_output=True, text=True, check=True)
+    assert "umount" in res.stdout and "--read-only" in res.stdout
+    subprocess.run(["bash", "-n"], input=res.stdout, text=True, check=True)
+    zsh = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "completion", "zsh"],
+                         capture_output=True, text=True, check=True)
+    assert "#compdef bmfs" in zsh.stdout and "--nonempty" in zsh.stdout
+    bad = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "completion", "fish"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_readme_starts_with_the_two_commands_and_lists_every_doc():
+    """A newcomer's README: its first commands are the two that install and mount and
+    install and test, and every page in docs/ is named in it."""
+    import os
+    import re
+    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(top, "README.md")) as f:
+        readme = f.read()
+    commands = re.findall(r"^    (\S.*)$", readme, re.M)
+    assert commands[:2] == ["tools/setup.sh && bmfs mount /bm", "tools/test.sh"]
+    docs = sorted(n for n in os.listdir(os.path.join(top, "docs")) if n.endswith(".md"))
+    assert [d for d in docs if f"docs/{d}" not in readme] == []

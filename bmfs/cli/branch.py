@@ -1,12 +1,21 @@
 """bmfs branch|snapshot|merge|diff: branch commands sent to a running mount.
 
 Each command takes ``-m MOUNTPOINT`` or works from a directory inside the mount.
+Where a branch is left out (``branch create --from``, ``snapshot create --branch``,
+``merge --into``) it is the branch of the current directory (a directory under
+``.bm/branches/NAME``), else the branch mounted at the root.
+
+``bmfs merge`` exits with MERGE_CONFLICTS (4) when the merge found conflicts and
+changed nothing; ``--json`` then prints ``{"result": "conflicts", "conflicts":
+[paths]}`` on stdout.
 """
 import json
 import os
 import sys
 
-from .common import control, mount_root_of
+from .common import ControlError, control, mount_root_of
+
+MERGE_CONFLICTS = 4  # exit status of a merge refused for its conflicts
 
 
 def _mount_arg(p):
@@ -20,17 +29,19 @@ def add_parser(sub):
     bs = b.add_subparsers(dest="action", metavar="ACTION")
     bs.required = True
     c = bs.add_parser("create", help="create a branch (O(1), shares all data)")
-    c.add_argument("name")
-    c.add_argument("--from", dest="source", default="main", help="branch or snapshot")
-    c.set_defaults(func=lambda a: _do(a, "branch_create", name=a.name, source=a.source))
+    c.add_argument("name", help="the new branch's name")
+    c.add_argument("--from", dest="source", help="the branch or snapshot it starts from "
+                   "(default: the branch of the current directory, else the mounted one)")
+    c.set_defaults(func=lambda a: _do(a, "branch_create", name=a.name,
+                                      source=a.source or _current(a, "branch_create")))
     ls = bs.add_parser("list", help="list branches")
     ls.set_defaults(func=lambda a: _do(a, "branch_list"))
     d = bs.add_parser("delete", help="delete a branch and free what only it used")
-    d.add_argument("name")
+    d.add_argument("name", help="the branch to delete")
     d.set_defaults(func=lambda a: _do(a, "branch_delete", name=a.name))
     r = bs.add_parser("reset", help="reset a branch to a snapshot")
-    r.add_argument("name")
-    r.add_argument("--to", required=True, help="snapshot")
+    r.add_argument("name", help="the branch to reset")
+    r.add_argument("--to", required=True, help="the snapshot it becomes")
     r.set_defaults(func=lambda a: _do(a, "branch_reset", name=a.name, to=a.to))
     for p in (c, ls, d, r):
         _mount_arg(p)
@@ -39,37 +50,73 @@ def add_parser(sub):
     ss = s.add_subparsers(dest="action", metavar="ACTION")
     ss.required = True
     c = ss.add_parser("create", help="snapshot a branch (O(1))")
-    c.add_argument("name")
-    c.add_argument("--branch", default="main")
-    c.set_defaults(func=lambda a: _do(a, "snapshot_create", name=a.name, branch=a.branch))
+    c.add_argument("name", help="the new snapshot's name")
+    c.add_argument("--branch", help="the branch to snapshot (default: the branch of the "
+                   "current directory, else the mounted one)")
+    c.set_defaults(func=lambda a: _do(a, "snapshot_create", name=a.name,
+                                      branch=a.branch or _current(a, "snapshot_create")))
     ls = ss.add_parser("list", help="list snapshots")
     ls.set_defaults(func=lambda a: _do(a, "snapshot_list"))
     d = ss.add_parser("delete", help="delete a snapshot")
-    d.add_argument("name")
+    d.add_argument("name", help="the snapshot to delete")
     d.set_defaults(func=lambda a: _do(a, "snapshot_delete", name=a.name))
     for p in (c, ls, d):
         _mount_arg(p)
 
     m = sub.add_parser("merge", help="merge SOURCE into TARGET")
-    m.add_argument("source")
-    m.add_argument("--into", required=True, help="target branch")
+    m.add_argument("source", help="the branch or snapshot whose changes are taken")
+    m.add_argument("--into", help="the target branch (default: the branch of the "
+                   "current directory, else the mounted one)")
     g = m.add_mutually_exclusive_group()
     g.add_argument("--theirs", action="store_true", help="on conflict, the source wins")
     g.add_argument("--ours", action="store_true", help="on conflict, the target wins")
-    m.set_defaults(func=lambda a: _do(a, "merge", source=a.source, into=a.into,
+    m.set_defaults(func=lambda a: _do(a, "merge", source=a.source,
+                                      into=a.into or _current(a, "merge"),
                                       strategy="theirs" if a.theirs else "ours" if a.ours else None))
     _mount_arg(m)
 
     df = sub.add_parser("diff", help="paths added, removed and changed from A to B")
-    df.add_argument("a")
-    df.add_argument("b")
+    df.add_argument("a", help="a branch or snapshot")
+    df.add_argument("b", help="another branch or snapshot")
     df.set_defaults(func=lambda a: _do(a, "diff", a=a.a, b=a.b))
     _mount_arg(df)
 
 
+def _mountpoint(args) -> str:
+    return os.path.abspath(args.mount) if args.mount else mount_root_of(os.getcwd())
+
+
+def _current(args, op: str) -> str:
+    """The branch a command acts on when none is named: the one whose directory
+    (``.bm/branches/NAME``) holds the current directory, else the mounted one."""
+    mp = _mountpoint(args)
+    rel = os.path.relpath(os.getcwd(), mp).split(os.sep)
+    if rel[:2] == [".bm", "branches"] and len(rel) > 2:
+        return rel[2]
+    try:
+        tree = control(mp, "mounted")
+    except ControlError as e:
+        if e.reply.get("errno") == 22:  # a mount of a bmfs before "mounted": main
+            return "main"
+        raise
+    if tree["kind"] != "branch":
+        raise ControlError({"error": f"{op}: the mount shows snapshot {tree['name']!r}, "
+                                     f"not a branch: name the branch", "errno": 22})
+    return tree["name"]
+
+
 def _do(args, op, **kw) -> int:
-    mp = os.path.abspath(args.mount) if args.mount else mount_root_of(os.getcwd())
-    result = control(mp, op, **kw)
+    mp = _mountpoint(args)
+    try:
+        result = control(mp, op, **kw)
+    except ControlError as e:
+        if "conflicts" not in e.reply:
+            raise
+        if args.json:
+            print(json.dumps({"result": "conflicts", "conflicts": e.reply["conflicts"]},
+                             indent=2))
+        print(f"bmfs: {e}", file=sys.stderr)
+        return MERGE_CONFLICTS
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -16,7 +16,7 @@ def add_parser(subparsers):
     p = subparsers.add_parser(
         "cat", help="print a typed file (protobuf, record file, flatbuffers, numpy)",
         description=__doc__.splitlines()[0])
-    p.add_argument("path")
+    p.add_argument("path", help="a typed file in a bmfs mount")
     p.add_argument("--type", "-t", metavar="TYPE",
                    help="read as TYPE (e.g. proto:pkg.Msg) instead of the recorded type")
     p.add_argument("--json", action="store_true",

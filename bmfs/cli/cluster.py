@@ -9,9 +9,11 @@ def add_parser(sub):
     cs = c.add_subparsers(dest="action", metavar="ACTION")
     cs.required = True
     u = cs.add_parser("up", help="start N nodes and create the volume DIR")
-    u.add_argument("dir")
-    u.add_argument("--nodes", type=int, default=6)
-    u.add_argument("--ec", default="4+2")
+    u.add_argument("dir", help="a new directory: the volume, nodes' devices, logs, "
+                   "cluster.json")
+    u.add_argument("--nodes", type=int, default=6, help="storage-node processes "
+                   "(default 6)")
+    u.add_argument("--ec", default="4+2", help="erasure code K+M (default 4+2)")
     u.add_argument("--meta", default="sqlite", help="sqlite (default) or etcd")
     u.add_argument("--domains", type=int, default=0,
                    help="put node i in failure domain i %% N (default: each node its own)")
@@ -23,17 +25,17 @@ def add_parser(sub):
     u.set_defaults(func=run_up)
     r = cs.add_parser("start", help="start every node and etcd member that is not running "
                                     "(also after down), or one node")
-    r.add_argument("dir")
+    r.add_argument("dir", help="the cluster's directory (as given to up)")
     r.add_argument("--node", type=int, help="(re)start just this node index")
     r.add_argument("--fault", help="test fault control for the node: delay=SECONDS")
     r.set_defaults(func=run_start)
     a = cs.add_parser("add", help="start one more node with a new device and add the "
                                   "device to the volume (mounted or not)")
-    a.add_argument("dir")
+    a.add_argument("dir", help="the cluster's directory (as given to up)")
     a.add_argument("--domain", help="the new node's failure domain (default: its own)")
     a.set_defaults(func=run_add)
     d = cs.add_parser("down", help="stop every process of the cluster in DIR")
-    d.add_argument("dir")
+    d.add_argument("dir", help="the cluster's directory (as given to up)")
     d.set_defaults(func=run_down)
 
 

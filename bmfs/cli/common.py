@@ -103,6 +103,15 @@ def mount_root_of(path: str) -> str:
     return best
 
 
+class ControlError(UserError):
+    """A request the mount refused or failed: ``reply`` is its whole answer (errno,
+    and for a merge with conflicts, ``conflicts``: their paths)."""
+
+    def __init__(self, reply: dict):
+        super().__init__(reply["error"])
+        self.reply = reply
+
+
 def control(mountpoint: str, op: str, **args):
     """Send one request to the mount's control file; returns the result or raises."""
     path = os.path.join(mountpoint, ".bm", "ctl")
@@ -130,5 +139,5 @@ def control(mountpoint: str, op: str, **args):
     except ValueError:
         raise UserError(f"the control file of {mountpoint} gave no answer to {op}")
     if not reply["ok"]:
-        raise UserError(reply["error"])
+        raise ControlError(reply)
     return reply["result"]

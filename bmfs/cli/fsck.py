@@ -6,7 +6,7 @@ from .common import run_trio
 
 def add_parser(sub):
     p = sub.add_parser("fsck", help="check a volume (unmounted)")
-    p.add_argument("volume")
+    p.add_argument("volume", help="the volume directory (not mounted)")
     p.add_argument("--full", action="store_true", help="verify every block checksum")
     p.add_argument("--repair", action="store_true",
                    help="delete leaked fragment files and collect queued garbage")

@@ -1,7 +1,9 @@
 """`bmfs` command dispatcher. One module per command; each has add_parser(sub).
 
-Exit codes: 0 success, 1 the check or operation found a problem (fsck, merge
-conflicts), 2 a usage or user error (printed as one line), 3 an internal error.
+Exit codes (docs/operations.md): 0 success, 1 the check or operation found a
+problem or could not finish (fsck, repair, scrub, drain, umount's wait), 2 a usage
+or user error (printed as one line), 3 an internal error, 4 a merge refused for its
+conflicts (nothing changed; ``--json`` lists them).
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import sys
 
 from ..errors import FsError, VolumeError
 
-COMMANDS = ["mkfs", "mount", "fsck", "status", "branch", "repair", "node", "cluster", "cat", "type_", "admin"]
+COMMANDS = ["mkfs", "mount", "fsck", "status", "branch", "repair", "node", "cluster", "cat", "type_", "admin",
+            "dump", "completion", "python"]
 
 
 class UserError(Exception):

@@ -19,32 +19,49 @@ log = logging.getLogger(__name__)
 
 
 def add_parser(sub):
-    p = sub.add_parser("mount", help="mount a volume")
-    p.add_argument("mountpoint")
+    p = sub.add_parser("mount", help="mount a volume",
+                       description="Mount a volume at MOUNTPOINT (made if missing). The "
+                       "mount daemon detaches once the mount is up; it logs to "
+                       "VOLUME/mount.log.")
+    p.add_argument("mountpoint", help="an empty directory (made if missing)")
     p.add_argument("--volume", help="volume directory (default: the default volume, "
                    "created on first use)")
-    p.add_argument("--branch", default="main", help="branch shown at the root (default main)")
+    p.add_argument("--branch", default="main", help="branch shown at the root (default "
+                   "main), or a snapshot's name: the snapshot, read-only")
     p.add_argument("--foreground", "-f", action="store_true", help="do not detach")
-    p.add_argument("--ec", default="4+2", help="erasure code when creating the default volume")
+    p.add_argument("--ec", default="4+2", help="erasure code K+M when creating the "
+                   "default volume (default 4+2)")
     p.add_argument("--timeout", type=cache_seconds, default=1.0,
                    help="kernel attribute cache seconds (0 to 3600, default 1)")
+    p.add_argument("--read-only", action="store_true", help="mount read-only (as -o ro): "
+                   "writes fail with EROFS")
+    p.add_argument("--nonempty", action="store_true", help="mount over a directory that "
+                   "holds files (as -o nonempty; they are hidden while mounted)")
     p.add_argument("-o", dest="options", default="",
                    help="mount options, comma-separated: ro, rw, relatime (default), "
                    "strictatime, noatime, dev, nodev, suid, nosuid, exec, noexec, "
-                   "branch=NAME (docs/operations.md)")
+                   "nonempty, branch=NAME (docs/operations.md)")
     metrics_option(p)
     p.add_argument("--ready-fd", type=int, help=argparse_suppress())
     p.set_defaults(func=run)
 
-    u = sub.add_parser("umount", help="unmount (waits until the data is stored)")
-    u.add_argument("mountpoint")
+    u = sub.add_parser("umount", help="unmount (waits until the data is stored)",
+                       description="Unmount MOUNTPOINT and wait until its daemon has "
+                       "stored what was written. Exit status 1 if the daemon is still "
+                       "storing when the timeout ends (it goes on; nothing is lost).")
+    u.add_argument("mountpoint", help="a bmfs mount point")
+    u.add_argument("--timeout", type=float, default=UMOUNT_WAIT, metavar="SECONDS",
+                   help=f"how long to wait for the daemon (default {UMOUNT_WAIT:g})")
     u.set_defaults(func=run_umount)
 
     h = sub.add_parser("mount-helper", help="mount.fuse.bmfs: VOLUME MOUNTPOINT [-o OPTS]")
-    h.add_argument("volume")
-    h.add_argument("mountpoint")
-    h.add_argument("-o", dest="options", default="")
+    h.add_argument("volume", help="the volume directory (fstab's first field)")
+    h.add_argument("mountpoint", help="the mount point (fstab's second field)")
+    h.add_argument("-o", dest="options", default="", help="mount options (as bmfs mount -o)")
     h.set_defaults(func=run_helper)
+
+
+UMOUNT_WAIT = 600.0  # seconds bmfs umount waits for the daemon to store what was written
 
 
 def argparse_suppress():
@@ -65,7 +82,31 @@ def cache_seconds(text: str) -> float:
     return v
 
 
-def _check_mountpoint(mp):
+def _make_mountpoint(mp) -> list[str]:
+    """mkdir -p ``mp``: the directories made, outermost first."""
+    made = []
+    d = mp
+    while not os.path.lexists(d):
+        made.insert(0, d)
+        d = os.path.dirname(d)
+    for d in made:
+        try:
+            os.mkdir(d, 0o755)
+        except OSError as e:
+            _unmake(made)
+            raise UserError(f"cannot make the mount point {mp}: {e.strerror}")
+    return made
+
+
+def _unmake(made: list[str]) -> None:
+    for d in reversed(made):
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
+
+
+def _check_mountpoint(mp, nonempty: bool = False):
     import stat
     try:
         # statfs is never answered from the kernel's caches: a mount whose daemon is
@@ -81,12 +122,29 @@ def _check_mountpoint(mp):
         raise UserError(f"mount point {mp} is not a directory")
     if find_mount(mp):
         raise UserError(f"{mp} is already mounted")
+    if not nonempty:
+        try:
+            held = os.listdir(mp)
+        except OSError as e:
+            raise UserError(f"mount point {mp}: {e.strerror}")
+        if held:
+            raise UserError(f"{mp} is not empty (it holds {sorted(held)[0]!r}"
+                            f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): "
+                            f"mounting would hide them; give --nonempty (-o nonempty) "
+                            f"to mount over them")
 
 
 def run(args) -> int:
+    if args.read_only:
+        if "rw" in args.options.split(","):
+            raise UserError("contradictory mount options: --read-only and rw")
+        args.options = ",".join(filter(None, [args.options, "ro"]))
+    if args.nonempty:
+        args.options = ",".join(filter(None, [args.options, "nonempty"]))
     flags, remount, branch = parse_options(args.options)
     if remount:
         raise UserError("bmfs mount does not remount: use mount -o remount,... MOUNTPOINT")
+    nonempty = flags.pop("nonempty", False)
     args.branch = branch or args.branch
     mp = os.path.abspath(args.mountpoint)
     check_metrics_address(args.metrics)
@@ -96,16 +154,22 @@ def run(args) -> int:
         from ..volume.volume import mkfs
         k, m = parse_ec(args.ec)
         run_trio(mkfs, volume, k, m)
-    if args.mountpoint and not os.path.exists(mp) and args.volume is None:
-        os.makedirs(mp, exist_ok=True)
-    _check_mountpoint(mp)
     from ..volume.volume import read_volume_file
     read_volume_file(volume)  # a missing or foreign volume fails here, in one line
     opts = MountOptions(branch=args.branch, attr_timeout=args.timeout,
                         entry_timeout=args.timeout, metrics=args.metrics, **flags)
-    if args.foreground:
+    if args.ready_fd is not None:  # the detached daemon: its parent checked
         return _serve(volume, mp, opts, args.ready_fd)
-    return _spawn(volume, mp, args)
+    made = _make_mountpoint(mp)
+    try:
+        _check_mountpoint(mp, nonempty)
+        code = _serve(volume, mp, opts, None) if args.foreground else _spawn(volume, mp, args)
+    except BaseException:
+        _unmake(made)  # (a mount point made for a mount that failed goes again)
+        raise
+    if made:
+        print(f"bmfs: made the mount point {mp}", file=sys.stderr)
+    return code
 
 
 def _serve(volume, mp, opts, ready_fd) -> int:
@@ -200,7 +264,13 @@ def run_umount(args) -> int:
     pid = _daemon_pid(m["volume"], mp)
     res = subprocess.run(["fusermount3", "-u", mp], capture_output=True, text=True)
     if res.returncode != 0:
-        raise UserError(res.stderr.strip() or f"could not unmount {mp}")
+        why = res.stderr.strip().removeprefix("fusermount3: ") or f"could not unmount {mp}"
+        holders = holders_of(mp)
+        if holders:
+            why += "; open in it: " + ", ".join(f"{name} (pid {p})" for p, name in
+                                                 holders[:10])
+            why += f" and {len(holders) - 10} more" if len(holders) > 10 else ""
+        raise UserError(why)
     if pid:
         # the daemon stores what was written before it exits: wait for it (a service
         # manager's stop timeout bounds this; the daemon ignores SIGTERM meanwhile).
@@ -210,12 +280,47 @@ def run_umount(args) -> int:
         t0 = time.monotonic()
         said = False
         while alive(pid) and _serves(pid, mp):
-            if not said and time.monotonic() - t0 > 10:
-                print(f"bmfs umount: the daemon (pid {pid}) is still storing written data; "
-                      f"waiting", file=sys.stderr)
+            waited = time.monotonic() - t0
+            if waited > args.timeout:
+                print(f"bmfs umount: unmounted, but the daemon (pid {pid}) is still "
+                      f"storing written data after {args.timeout:g} s; it goes on (see "
+                      f"{m['volume']}/mount.log)", file=sys.stderr)
+                return 1
+            if not said and waited > 10:
+                print(f"bmfs umount: waiting for the daemon (pid {pid}) to store the "
+                      f"data written (at most {args.timeout:g} s)", file=sys.stderr)
                 said = True
             time.sleep(0.05)
     return 0
+
+
+def holders_of(mp: str) -> list[tuple[int, str]]:
+    """(pid, command name) of the processes with a file, directory or working
+    directory inside ``mp`` (from /proc/*/fd, cwd and root; those this user may see)."""
+    inside = mp.rstrip("/") + "/"
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        links = []
+        try:
+            links = [os.path.join("fd", f) for f in os.listdir(f"/proc/{name}/fd")]
+        except OSError:
+            pass
+        for link in links + ["cwd", "root"]:
+            try:
+                target = os.readlink(f"/proc/{name}/{link}")
+            except OSError:
+                continue
+            if target == mp or target.startswith(inside):
+                try:
+                    with open(f"/proc/{name}/comm") as f:
+                        comm = f.read().strip()
+                except OSError:
+                    comm = "?"
+                out.append((int(name), comm))
+                break
+    return out
 
 
 def _daemon_pid(volume: str, mp: str) -> int | None:
@@ -250,7 +355,8 @@ _FLAGS = {"ro": ("read_only", True), "rw": ("read_only", False),
           "noatime": ("atime", "noatime"),
           "dev": ("dev", True), "nodev": ("dev", False),
           "suid": ("suid", True), "nosuid": ("suid", False),
-          "exec": ("exec", True), "noexec": ("exec", False)}
+          "exec": ("exec", True), "noexec": ("exec", False),
+          "nonempty": ("nonempty", True)}
 # options for mount(8), fstab or systemd (x-*, comment=* too), or that mount(8) hands
 # back from the mount table at a remount (libfuse's: user_id=, group_id=...)
 _NOT_OURS = {"defaults", "auto", "noauto", "user", "nouser", "users", "owner", "group",

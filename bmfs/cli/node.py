@@ -20,8 +20,10 @@ def add_parser(sub):
                         "be given as PATH alone: its id is the one it was formatted with "
                         "(one command line for every machine, e.g. a Kubernetes DaemonSet)")
     s.add_argument("--secret-file", required=True, help="file holding the cluster secret")
-    s.add_argument("--volume-uuid", required=True)
-    s.add_argument("--name", default=None)
+    s.add_argument("--volume-uuid", required=True,
+                   help="the volume's uuid (bmfs mkfs prints it; bmfs status shows it)")
+    s.add_argument("--name", default=None, help="the node's name in its membership "
+                   "record (default: the --listen address)")
     s.add_argument("--meta", help="etcd://... : keep a leased membership record there, "
                                   "and announce the node's address for its devices")
     s.add_argument("--advertise", metavar="HOST:PORT",
@@ -43,9 +45,12 @@ def add_parser(sub):
     s.set_defaults(func=run_serve)
     f = ns.add_parser("format", help="format new or empty device directories for a "
                                      "volume (what serve --format does first)")
-    f.add_argument("--device", action="append", required=True, metavar="ID=PATH")
-    f.add_argument("--volume-uuid", required=True)
-    f.add_argument("--layout", choices=LAYOUTS, default="files")
+    f.add_argument("--device", action="append", required=True, metavar="ID=PATH",
+                   help="a device directory to format as device ID (repeatable)")
+    f.add_argument("--volume-uuid", required=True,
+                   help="the volume's uuid (bmfs mkfs prints it; bmfs status shows it)")
+    f.add_argument("--layout", choices=LAYOUTS, default="files",
+                   help="how the directory keeps fragments (as bmfs mkfs --layout)")
     f.set_defaults(func=run_format)
     for action, helptext in (("drain", "move every fragment off a device"),
                              ("remove", "drain a device, then forget it")):
@@ -61,7 +66,7 @@ def add_parser(sub):
     r = ns.add_parser("set-address", help="reach a device at the node's new address "
                                           "(the node serving it moved)")
     r.add_argument("device", type=int, help="device id (see bmfs status)")
-    r.add_argument("address", metavar="HOST:PORT")
+    r.add_argument("address", metavar="HOST:PORT", help="the node's new address")
     _target_options(r)
     r.set_defaults(func=lambda a: run_op(a, "set_address", device=a.device, address=a.address))
     a = ns.add_parser("add", help="add a device to a volume (new stripes use it)")

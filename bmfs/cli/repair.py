@@ -17,7 +17,7 @@ def add_parser(sub):
                                          "them on now (after bmfs node add)")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("target", help="a volume directory or a mount point")
-        p.add_argument("--json", action="store_true")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
         limit_option(p)
         p.set_defaults(func=lambda a, op=name: run_op(a, op, limit=a.limit))
 

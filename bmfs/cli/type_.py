@@ -15,7 +15,7 @@ from bmfs.errors import FsError
 def add_parser(subparsers):
     p = subparsers.add_parser("type", help="show or set the type of a file (typed views)",
                               description=__doc__.splitlines()[0])
-    p.add_argument("path")
+    p.add_argument("path", help="a file in a bmfs mount")
     p.add_argument("type", nargs="?", metavar="TYPE", help="the type to record")
     p.add_argument("--clear", action="store_true", help="remove the recorded type")
     p.add_argument("--no-check", action="store_true",

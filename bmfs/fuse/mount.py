@@ -13,10 +13,13 @@ changes, orphan sweeps).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
 import signal
+import sys
 import urllib.parse
 
 import pyfuse3
@@ -24,7 +27,7 @@ import trio
 
 from .. import metrics
 from ..config import MountOptions
-from ..errors import FsError
+from ..errors import FsError, VolumeError
 from ..vfs.fs import ATIME_MODES, FileSystem
 from ..vfs.watch import Watcher
 from ..volume import upkeep
@@ -50,8 +53,15 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
         fs = await FileSystem.create(volume, opts.branch)
         volume.kv.enable_write_behind()  # etcd: commit behind (docs/etcd.md)
         ops = Operations(fs, opts.attr_timeout, idle_spin_setting())
+        if not fs.views.get(0).writable:  # a snapshot at the root: the kernel says EROFS
+            opts = dataclasses.replace(opts, read_only=True)
         fs.read_only, fs.atime = opts.read_only, opts.atime
-        pyfuse3.init(ops, mountpoint, fuse_options(volume_path, opts))
+        with libfuse_messages() as said:
+            try:
+                pyfuse3.init(ops, mountpoint, fuse_options(volume_path, opts))
+            except RuntimeError as e:
+                # pyfuse3 says only "fuse_session_mount failed": libfuse printed why
+                raise MountFailed(f"cannot mount {mountpoint}: {said() or e}") from None
         _watch_requests(volume.transport)
         pidfiles = [pid_file(volume_path, mountpoint), os.path.join(volume_path, "mount.pid")]
         try:
@@ -124,6 +134,38 @@ async def _sample(fs) -> None:
         except FsError as e:  # (the metadata unreachable for now: the last readings stay)
             log.debug("metrics: %s", e)
         await trio.sleep(SAMPLE_INTERVAL)
+
+
+class MountFailed(VolumeError):
+    """The kernel mount failed (libfuse's reason in the message)."""
+
+
+@contextlib.contextmanager
+def libfuse_messages():
+    """Catch what libfuse (and fusermount3, which it runs for a user that is not root)
+    prints to stderr while the body runs: yields a function returning that text's
+    last line, without libfuse's ``fuse: `` prefix ("" if it said nothing). Then
+    stderr is what it was, and what was caught is written to it as well (the log)."""
+    import tempfile
+    sys.stderr.flush()
+    saved = os.dup(2)
+    caught = tempfile.TemporaryFile()
+    os.dup2(caught.fileno(), 2)
+
+    def said() -> str:
+        text = os.pread(caught.fileno(), 1 << 16, 0).decode(errors="replace")
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        return lines[-1].removeprefix("fuse: ").removeprefix("fusermount3: ") if lines else ""
+    try:
+        yield said
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        text = os.pread(caught.fileno(), 1 << 16, 0)
+        caught.close()
+        if text:
+            sys.stderr.write(text.decode(errors="replace"))
 
 
 def fuse_options(volume_path: str, opts: MountOptions) -> set[str]:

@@ -36,6 +36,7 @@ _NONE = (type(None),)
 # missing a required one or giving one of another type is refused (EINVAL).
 OPS: dict[str, tuple[str, dict[str, tuple[tuple, bool]]]] = {
     "status": (ANYONE, {}),
+    "mounted": (ANYONE, {}),
     "devices": (ANYONE, {}),
     "admin_group": (ANYONE, {}),
     "branch_list": (ANYONE, {}),
@@ -233,6 +234,8 @@ class Control:
             reply = {"ok": False, "error": str(e), "errno": e.errno}
         except FsError as e:
             reply = {"ok": False, "error": str(e), "errno": e.errno}
+            if isinstance(e, branches.MergeConflict):  # (bmfs merge --json lists them)
+                reply["conflicts"] = list(e.paths)
         except (ValueError, TypeError, KeyError) as e:
             reply = {"ok": False, "error": f"bad request: {e}", "errno": 22}
         self._replies[fh] = json.dumps(reply).encode() + b"\n"
@@ -267,6 +270,9 @@ class Control:
         if op == "status":
             from ..volume.status import volume_status
             return await volume_status(self.fs.volume)
+        if op == "mounted":  # the tree at the mount's root
+            view = self.fs.views.get(0)
+            return {"kind": view.kind, "name": view.name}
         if op == "devices":  # every device record, removed ones too
             from ..volume.volume import device_records
             return {str(dev): rec for dev, rec in (await device_records(self.kv)).items()}

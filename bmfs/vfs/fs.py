@@ -94,8 +94,20 @@ class FileSystem:
 
     @classmethod
     async def create(cls, volume, branch: str = "main") -> "FileSystem":
+        """The filesystem of ``volume`` showing ``branch`` at its root, or the snapshot
+        of that name if no branch has it (read-only).
+
+        Raises:
+            NotFound: neither a branch nor a snapshot has that name.
+        """
         views = Views(volume.kv)
-        await views.add("branch", branch, view_id=0)
+        try:
+            await views.add("branch", branch, view_id=0)
+        except NotFound:
+            try:
+                await views.add("snapshot", branch, view_id=0)
+            except NotFound:
+                raise NotFound(f"no branch or snapshot named {branch!r}") from None
         fs = cls(volume, views)
         from .control import Control
         fs.control = Control(fs)

@@ -132,6 +132,10 @@ class Client:
         if portal is not None and portal.pid == os.getpid():
             portal.close()
 
+    def __del__(self):
+        if getattr(self, "_portal", None) is not None:
+            self.close()
+
     def __enter__(self):
         return self
 

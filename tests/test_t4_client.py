@@ -173,3 +173,41 @@ def test_snapshots_and_branches_by_name(volume, tmp_path):
     with bmfs.connect(volume) as c:
         assert c.read_file("/f") == b"two" and not c.exists("/g")
     assert_fsck_clean(volume)
+
+
+def test_typed_views_without_a_mount(volume, tmp_path):
+    """Record files and .npy arrays written through a mount, read through the client."""
+    import numpy as np
+    from bmfs.typed import records
+    from bmfs.typed.registry import proto_class
+    Sample = proto_class("bmfs.examples.Sample")
+    arr = np.arange(3000 * 7, dtype="<f4").reshape(3000, 7)
+    with Mounted(volume, tmp_path / "mnt") as m:
+        with records.writer(os.path.join(m.mp, "train.rec"), Sample) as w:
+            for i in range(5000):
+                w.append(Sample(id=i, label=f"sample {i}" * (i % 5)))
+        np.save(os.path.join(m.mp, "a.npy"), arr)
+        with open(os.path.join(m.mp, "junk.rec"), "wb") as f:
+            f.write(b"BMRECS\r\n" + b"\0" * 100)
+    with bmfs.connect(volume) as c:
+        recs = c.records("/train.rec")
+        assert len(recs) == 5000 and recs.message_class is Sample
+        assert recs[4999].id == 4999 and recs[-1].id == 4999
+        picked = [17, 4000, 3, 17, 2500]
+        assert [s.id for s in recs.get_many(picked)] == picked
+        assert [s.label for s in recs.get_many(picked)] == \
+            [f"sample {i}" * (i % 5) for i in picked]
+        assert [s.id for s in recs] == list(range(5000))
+        with pytest.raises(IndexError):
+            recs[5000]
+        recs.close()
+        from bmfs.typed.errors import NotSupportedHere, TypeMismatch
+        with pytest.raises(NotSupportedHere, match="version 0"):
+            c.records("/junk.rec")
+        a = c.array("/a.npy")
+        assert a.shape == (3000, 7) and a.dtype == np.dtype("<f4")
+        assert np.array_equal(a.read(), arr) and np.array_equal(a[5], arr[5])
+        assert np.array_equal(a[10:20], arr[10:20])
+        assert np.array_equal(a.take([2999, 0, 1234]), arr[[2999, 0, 1234]])
+        with pytest.raises(TypeMismatch):
+            c.array("/train.rec")

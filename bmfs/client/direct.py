@@ -276,6 +276,19 @@ class Client:
         return counts
 
 
+    # -- typed views (typed.py) --------------------------------------------------------
+    def records(self, path: str, Type=None, *, verify: bool = True, strict: bool = True):
+        """A record file (bmfs.typed.records' format) read by batches of ranges:
+        a Records sequence (len, [i], get_many, iteration)."""
+        from .typed import Records
+        return Records(self, path, Type, verify=verify, strict=strict)
+
+    def array(self, path: str, dtype=None, shape=None):
+        """A .npy array whose rows are read on demand (Array: [i], [i:j], take, read)."""
+        from .typed import Array
+        return Array(self, path, dtype, shape)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -23,7 +23,8 @@ PACKAGE = ROOT / "bmfs"
 # the longest pattern that matches a module places it.
 FLOORS = [
     ("cli", ["bmfs", "bmfs.cli.*"]),  # bmfs itself: bmfs.mmap and friends, for programs
-    ("fuse", ["bmfs.fuse.*", "bmfs.typed.*"]),  # typed views work on a mounted path
+    # typed views work on a mounted path; the direct client opens a volume beside them
+    ("fuse", ["bmfs.fuse.*", "bmfs.typed.*", "bmfs.client.*"]),
     ("volume", ["bmfs.volume.*", "bmfs.cluster.*"]),  # opening and administering a volume
     ("vfs", ["bmfs.vfs.*"]),
     ("meta/data", ["bmfs.meta.*", "bmfs.data.*"]),

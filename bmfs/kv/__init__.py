@@ -441,12 +441,17 @@ class Txn:
         self.writes[key] = None
 
 
-async def open_kv(url: str) -> KV:
-    """Open the engine named by the URL's scheme (``memory:``, ``sqlite:PATH``, ``etcd://...``)."""
+async def open_kv(url: str, shared: bool = False) -> KV:
+    """Open the engine named by the URL's scheme (``memory:``, ``sqlite:PATH``, ``etcd://...``).
+    ``shared``: for a direct client beside other processes; an engine with one owner
+    (sqlite) is then opened read-only beside other readers (SqliteKV.open_shared)."""
     scheme = url.split(":", 1)[0]
     if scheme not in ENGINES:
         raise ValueError(f"unknown metadata engine {scheme!r} in {url!r}; "
                          f"known: {', '.join(sorted(ENGINES))}")
     import importlib
     mod, cls = ENGINES[scheme].split(":")
-    return await getattr(importlib.import_module(mod), cls).create(url)
+    engine = getattr(importlib.import_module(mod), cls)
+    if shared and hasattr(engine, "open_shared"):
+        return await engine.open_shared(url)
+    return await engine.create(url)

@@ -180,11 +180,38 @@ def _open_own(path: str, flags: int) -> int:
     return fd
 
 
+def _locked(url: str, how: int) -> tuple[str, int]:
+    """The database path of ``url`` and its lock file, locked ``how`` (LOCK_EX: the
+    owner; LOCK_SH: readers beside each other, no owner).
+
+    Raises:
+        VolumeError: a symbolic link among its files, or the lock is taken.
+    """
+    path = url.split(":", 1)[1]
+    if path.startswith("//"):
+        path = path[2:]
+    if not path:
+        raise ValueError("sqlite: URL needs a path, e.g. sqlite:/var/lib/bmfs/meta.db")
+    for name in (path, path + "-wal", path + "-shm"):  # (SQLite's follow links)
+        if os.path.islink(name):
+            raise VolumeError(f"{name} is a symbolic link: the metadata database "
+                              f"and its files are not written through one")
+    lockfd = _open_own(path + ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(lockfd, how | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lockfd)
+        raise VolumeError(f"{path} is in use by another bmfs process (mounted already?)") \
+            from None
+    return path, lockfd
+
+
 class SqliteKV(KV):
     caps = Capabilities(single_writer=True)  # one process owns the database (lock file)
 
-    def __init__(self, url, db, lockfd, path):
+    def __init__(self, url, db, lockfd, path, read_only=False):
         self.url = url
+        self.read_only = read_only
         self._db = db
         self._lockfd = lockfd
         self._path = path
@@ -202,26 +229,13 @@ class SqliteKV(KV):
         self._complete: dict[bytes, list[bytes]] = {}
         self._complete_lengths: set[int] = set()
         self._complete_count = 0  # keys in the lists
-        self._log = _open_own(path + "-redo", os.O_RDWR | os.O_CREAT | os.O_APPEND)
+        self._log = -1 if read_only else \
+            _open_own(path + "-redo", os.O_RDWR | os.O_CREAT | os.O_APPEND)
         self._log_size = 0
 
     @classmethod
     async def create(cls, url: str) -> "SqliteKV":
-        path = url.split(":", 1)[1]
-        if path.startswith("//"):
-            path = path[2:]
-        if not path:
-            raise ValueError("sqlite: URL needs a path, e.g. sqlite:/var/lib/bmfs/meta.db")
-        for name in (path, path + "-wal", path + "-shm"):  # (SQLite's follow links)
-            if os.path.islink(name):
-                raise VolumeError(f"{name} is a symbolic link: the metadata database "
-                                  f"and its files are not written through one")
-        lockfd = _open_own(path + ".lock", os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lockfd)
-            raise VolumeError(f"{path} is in use by another bmfs process (mounted already?)")
+        path, lockfd = _locked(url, fcntl.LOCK_EX)
         try:
             return cls._open(url, path, lockfd)
         except sqlite3.DatabaseError as e:
@@ -230,6 +244,38 @@ class SqliteKV(KV):
         except BaseException:
             os.close(lockfd)
             raise
+
+    @classmethod
+    async def open_shared(cls, url: str) -> "SqliteKV":
+        """The database opened read-only beside other readers, for a direct client
+        (bmfs/client): the lock file is held shared, so no owner (a mount, a writing
+        client, fsck) can take the database meanwhile, and readers never see it
+        change. Commits the last owner left in the redo log (it crashed) are read
+        from it, not applied. Commits raise ReadOnly (EROFS).
+
+        Raises:
+            VolumeError: the database is owned by another process (mounted), or
+                cannot be read.
+        """
+        path, lockfd = _locked(url, fcntl.LOCK_SH)
+        try:
+            # (no owner can write while the shared lock is held: plain read-only
+            # access, no WAL index needed between readers)
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None,
+                                 check_same_thread=False)
+            db.execute("PRAGMA query_only=1")
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            kv = cls(url, db, lockfd, path, read_only=True)
+            with os.fdopen(_open_own(path + "-redo", os.O_RDONLY | os.O_CREAT), "rb") as f:
+                buf = f.read()
+            for rev, entries in _records(buf):
+                for key, value in entries:
+                    kv._remember(key, value, rev)
+                kv._rev = max(kv._rev, rev)
+            return kv
+        except sqlite3.DatabaseError as e:
+            os.close(lockfd)
+            raise VolumeError(f"{path}: the metadata database cannot be read ({e})")
 
     @classmethod
     def _open(cls, url: str, path: str, lockfd: int) -> "SqliteKV":
@@ -436,6 +482,9 @@ class SqliteKV(KV):
 
     # -- commits: a redo record now, SQLite in batches -----------------------------------
     async def _commit(self, reads, writes):
+        if self.read_only:
+            from ..errors import ReadOnly
+            raise ReadOnly("the metadata is open read-only (beside other readers)")
         for k, rev in reads.items():
             if (await self._get(k))[1] != rev:
                 raise Conflict(k)
@@ -506,9 +555,14 @@ class SqliteKV(KV):
         self._log_size = 0
 
     async def sync(self):
-        self._cut_log()
+        if not self.read_only:
+            self._cut_log()
 
     async def _aclose(self):
+        if self._db is not None and self.read_only:
+            self._db.close()
+            self._db = None
+            os.close(self._lockfd)
         if self._db is not None:
             self._cut_log()
             self._db.close()

@@ -252,10 +252,28 @@ def open_records(path, message_class, *, verify=True, strict=True, access="auto"
     if strict and name != want:
         raise TypeMismatch(path, f"record file holds {name}, not {want} (pass strict=False "
                                  "to read it with another version of the schema)")
+    index_offset, count, crc = read_footer(
+        path, size, header_end, mm[max(size - FOOTER.size, 0):])
+    offsets = np.frombuffer(mm, dtype="<u8", count=count + 1, offset=index_offset)
+    if verify:
+        check_index(path, memoryview(mm)[index_offset:size - FOOTER.size], offsets, crc,
+                    header_end, index_offset)
+    return RecordFile(path, message_class, name, mm, offsets, header_end, index_offset,
+                      access=advice)
+
+
+def read_footer(path, size, header_end, footer):
+    """(index_offset, count, index crc32) from the file's last FOOTER.size bytes
+    ``footer``, checked against the file's ``size`` and ``header_end``.
+
+    Raises:
+        MissingIndex: no footer (the writer did not finish).
+        CorruptFile: a footer that does not fit the file.
+    """
     if size < header_end + FOOTER.size:
         raise MissingIndex(path, "no index: the file ends before the footer (was the "
                                  "writer closed?)", size)
-    index_offset, count, crc, _, end_magic = FOOTER.unpack_from(mm, size - FOOTER.size)
+    index_offset, count, crc, _, end_magic = FOOTER.unpack_from(footer, 0)
     if end_magic != END_MAGIC:
         raise MissingIndex(path, f"no index: the footer magic is {end_magic!r}, not "
                                  f"{END_MAGIC!r} (the writer did not finish)", size - 8)
@@ -266,15 +284,17 @@ def open_records(path, message_class, *, verify=True, strict=True, access="auto"
         raise CorruptFile(path, f"footer is inconsistent: an index of {count}+1 entries at "
                                 f"offset {index_offset} must end at the footer",
                           footer_at)
-    offsets = np.frombuffer(mm, dtype="<u8", count=count + 1, offset=index_offset)
-    if verify:
-        got = zlib.crc32(memoryview(mm)[index_offset:footer_at])
-        if got != crc:
-            raise CorruptFile(path, f"index checksum mismatch: crc32 {got:#010x}, footer "
-                                    f"says {crc:#010x}", index_offset)
-        _check_index(path, offsets, header_end, index_offset)
-    return RecordFile(path, message_class, name, mm, offsets, header_end, index_offset,
-                      access=advice)
+    return index_offset, count, crc
+
+
+def check_index(path, index_bytes, offsets, crc, header_end, index_offset):
+    """The index (its bytes, and as ``offsets``) against its checksum, and every
+    entry inside the records section, in increasing order (CorruptFile if not)."""
+    got = zlib.crc32(index_bytes)
+    if got != crc:
+        raise CorruptFile(path, f"index checksum mismatch: crc32 {got:#010x}, footer "
+                                f"says {crc:#010x}", index_offset)
+    _check_index(path, offsets, header_end, index_offset)
 
 
 def _check_index(path, offsets, header_end, index_offset):

@@ -382,20 +382,23 @@ class Volume:
 
     @classmethod
     async def open(cls, path: str, missing_ok_devices: bool = True,
-                   upgrade: bool = True) -> "Volume":
+                   upgrade: bool = True, shared: bool = False) -> "Volume":
         """Open the volume at ``path``. A volume of an older format revision this bmfs
         still reads is upgraded first (keys.FORMAT_REVISION), unless ``upgrade`` is
-        False: then it is only read (status, fsck without --repair).
+        False: then it is only read (status, fsck without --repair). ``shared``: for
+        a direct client (bmfs/client), the metadata opened beside other processes
+        (kv.open_kv); implies ``upgrade=False``.
 
         Raises VolumeError: no volume there, another volume's metadata, or a format
         revision this bmfs does not read."""
         info = read_volume_file(path)
+        upgrade = upgrade and not shared
         home = _relocation(path, info)
         if home is not None and not upgrade:
             raise VolumeError(f"{path} is a copy or move of the volume made in {home}: "
                               f"mount it (or fsck --repair) once to make it its own")
         kv = await open_kv(f"sqlite:{os.path.realpath(path)}/meta.db" if home
-                           else info["meta"])
+                           else info["meta"], shared=shared)
         try:
             d = await read_settings(kv, path, info["meta"])
             if d["format"] != keys.FORMAT_REVISION:

@@ -1,0 +1,142 @@
+"""A direct client's volume, opened in this process: the async half of bmfs.connect.
+
+Everything here runs on the client's loop (portal.py). It is the vfs a mount runs
+(vfs/fs.py: FileSystem), without FUSE: paths are walked with ``lookup`` from the root
+of the branch or snapshot the client opened, files are read and written through
+``Files``, and batches of reads go to the transport at once (batch.py).
+
+Metadata and writers:
+- etcd: the client is one more writer beside the mounts. A writable one holds a
+  mount record (``m/``, vfs/session.py keep_alive) while it is open, as a mount does.
+- SQLite (one machine): the database has one owner. With ``writable=True`` the
+  client takes it as a mount would (nothing else opens the volume meanwhile; a
+  forked child cannot use it). Otherwise it reads the database beside other readers
+  (SqliteKV.open_shared: a mount cannot start meanwhile; writes raise
+  PermissionError). A volume a mount owns is refused (PermissionError): its newest
+  commits are in that mount's memory and redo log, not in the database.
+Atimes are left as they are (as on a ``noatime`` mount).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import trio
+
+from ..errors import FsError, VolumeError
+from ..vfs import gc, session
+from ..vfs.fs import FileSystem
+from ..vfs.views import Views
+from ..volume.volume import Volume
+
+ROOT = 1  # the root of the opened tree (view 0), in the vfs's inode numbers
+
+
+def os_error(e: Exception, path: str | None = None) -> OSError:
+    """The OSError a program expects for a vfs or volume error (its errno picks
+    the subclass: ENOENT -> FileNotFoundError, ...)."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]  # (raised through a nursery)
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, FsError):
+        msg = e.args[0] if e.args and e.args[0] else os.strerror(e.errno)
+        return OSError(e.errno, msg, path)
+    if isinstance(e, VolumeError):
+        msg = str(e)
+        if "in use by another bmfs process" in msg:
+            return PermissionError(errno.EBUSY, f"{msg}; a direct client reads a one-machine "
+                                   "volume only while no mount owns it (read through the "
+                                   "mount instead)", path)
+        if "no such volume directory" in msg or "is not a bmfs volume" in msg:
+            return FileNotFoundError(errno.ENOENT, msg, path)
+        return OSError(errno.EIO, msg, path)
+    return OSError(errno.EIO, str(e), path)
+
+
+class Session:
+    """One process's opened volume and tree. Create with ``await Session.open(...)``."""
+
+    def __init__(self, volume: Volume, fs: FileSystem, writable: bool, nursery):
+        self.volume, self.fs, self.writable, self.nursery = volume, fs, writable, nursery
+        self.owner = writable and volume.kv.single_writer  # took the SQLite database
+
+    @classmethod
+    async def open(cls, path: str, branch: str, snapshot: str | None, writable: bool,
+                   nursery) -> "Session":
+        volume = await Volume.open(path, shared=not writable)
+        try:
+            if writable and volume.kv.single_writer:
+                swept = await gc.begin_session(volume)  # as a mount: after a crash
+                del swept
+            views = Views(volume.kv)
+            kind, name = ("snapshot", snapshot) if snapshot else ("branch", branch)
+            await views.add(kind, name, view_id=0)
+            fs = FileSystem(volume, views)
+            from ..vfs.control import Control
+            fs.control = Control(fs)
+            fs.atime = "noatime"
+            fs.read_only = not writable
+            fs.files.nursery = nursery
+            s = cls(volume, fs, writable, nursery)
+            if writable and not volume.kv.single_writer:
+                await nursery.start(session.keep_alive, fs, f"/bmfs.connect/{os.getpid()}")
+            return s
+        except BaseException:
+            await volume.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self.fs.aclose()
+            if self.owner:
+                await gc.end_session(self.volume)
+        finally:
+            await self.volume.aclose()
+
+    # -- names ------------------------------------------------------------------------
+    async def resolve(self, path: str):
+        """The Attr of ``path`` (a path inside the opened tree, "/" its root)."""
+        a = await self.fs.getattr(ROOT)
+        for part in _parts(path):
+            if not stat.S_ISDIR(a.mode):
+                raise OSError(errno.ENOTDIR, "Not a directory", path)
+            a = await self.fs.lookup(a.ino, part)
+        return a
+
+    async def parent_of(self, path: str):
+        parts = _parts(path)
+        if not parts:
+            raise OSError(errno.EINVAL, "the root has no parent", path)
+        parent = await self.resolve("/".join(p.decode() for p in parts[:-1]))
+        return parent, parts[-1]
+
+    async def close_to_open(self) -> None:
+        """What a mount does at open: see every commit made before (other mounts'),
+        and the branch's current layers."""
+        await self.fs.kv.barrier()
+        await self.fs.views.refresh()
+
+    def check_writable(self, path: str) -> None:
+        if not self.writable:
+            raise PermissionError(errno.EROFS, "this client is read-only: "
+                                  "bmfs.connect(..., writable=True) writes", path)
+        self.fs.check_writable()
+
+
+def _parts(path: str) -> list[bytes]:
+    return [os.fsencode(p) for p in path.split("/") if p and p != "."]
+
+
+async def run_session(path, branch, snapshot, writable, task_status=trio.TASK_STATUS_IGNORED):
+    """Open a Session and keep its background tasks running until cancelled; the
+    Session (or the error opening it raised) is handed to ``task_status``."""
+    async with trio.open_nursery() as nursery:
+        s = await Session.open(path, branch, snapshot, writable, nursery)
+        try:
+            task_status.started(s)
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await s.aclose()

@@ -1,0 +1,213 @@
+"""The direct client (bmfs.connect): a volume opened in the test's process, beside
+real mounts; reads and writes compared with what the mount shows, batched reads,
+threads and forked workers, and bad input."""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+
+import bmfs
+from mountutil import Mounted, assert_fsck_clean
+
+
+def _fill(volume, files: dict[str, bytes]):
+    with bmfs.connect(volume, writable=True) as c:
+        for path, data in files.items():
+            c.makedirs(os.path.dirname(path), exist_ok=True)
+            c.write_file(path, data)
+
+
+def test_write_then_read_through_client_and_mount(volume, tmp_path):
+    big = os.urandom((9 << 20) + 123)  # three stripes, the last one short
+    _fill(volume, {"/d/big": big, "/d/small": b"tiny", "/e/empty": b""})
+    with bmfs.connect(volume) as c:
+        assert sorted(c.listdir("/")) == ["d", "e"]
+        assert c.stat("/d/big").st_size == len(big)
+        assert c.read_file("/d/big") == big
+        assert c.read_file("/e/empty") == b""
+        with c.open("/d/big", buffering=0) as f:
+            f.seek(len(big) - 5)
+            assert f.read(100) == big[-5:]
+            assert f.read(100) == b""  # past the end: nothing, no error
+    with Mounted(volume, tmp_path / "mnt") as m:
+        with open(os.path.join(m.mp, "d/big"), "rb") as f:
+            assert f.read() == big
+        with open(os.path.join(m.mp, "d/small"), "rb") as f:
+            assert f.read() == b"tiny"
+    assert_fsck_clean(volume)
+
+
+def test_read_many_and_readinto(volume):
+    data = os.urandom(6 << 20)
+    _fill(volume, {"/f": data, "/g": b"x" * 100})
+    rng = __import__("random").Random(5)
+    items = [("/f", rng.randrange(len(data) - 5000), rng.choice([1, 4096, 5000]))
+             for _ in range(200)]
+    items += [("/f", (4 << 20) - 7, 20), ("/f", len(data) - 3, 10), ("/g", 90, 50),
+              ("/f", len(data) + 5, 10)]
+    with bmfs.connect(volume) as c:
+        got = c.read_many(items)
+        for (p, off, n), b in zip(items, got):
+            src = data if p == "/f" else b"x" * 100
+            assert bytes(b) == src[off:off + n]
+        bufs = [bytearray(n) for _, _, n in items]
+        counts = c.read_many(items, out=bufs)
+        for (p, off, n), b, k in zip(items, bufs, counts):
+            src = data if p == "/f" else b"x" * 100
+            assert bytes(b[:k]) == src[off:off + n]
+        with c.open("/f", buffering=0) as f:
+            buf = bytearray(10000)
+            f.seek(12345)
+            assert f.readinto(buf) == 10000 and buf == data[12345:22345]
+            assert c.read_many([(f, 7, 3)])[0] == data[7:10]
+
+
+def test_degraded_batch_decodes(volume):
+    """Two devices gone (m=2): a batch still reads every byte right, decoded."""
+    data = os.urandom(4 << 20)
+    _fill(volume, {"/f": data})
+    import shutil
+    for d in ("dev0", "dev3"):
+        shutil.rmtree(os.path.join(volume, d))
+        os.makedirs(os.path.join(volume, d))
+    with bmfs.connect(volume) as c:
+        items = [("/f", off, 4096) for off in range(0, len(data), 100_003)]
+        for (_, off, n), b in zip(items, c.read_many(items)):
+            assert bytes(b) == data[off:off + n]
+
+
+def test_threads_and_forked_workers(volume):
+    data = os.urandom(2 << 20)
+    _fill(volume, {"/f": data})
+    with bmfs.connect(volume) as c:
+        f = c.open("/f", buffering=0)
+        errors = []
+
+        def reader(seed):
+            try:
+                for i in range(30):
+                    off = (seed * 7919 + i * 104729) % (len(data) - 4096)
+                    assert bytes(f.pread(4096, off)) == data[off:off + 4096]
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=reader, args=(s,)) for s in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        pids = []
+        for w in range(3):  # DataLoader workers: forked with the client and file open
+            pid = os.fork()
+            if pid == 0:
+                ok = bytes(f.pread(1000, w * 1000)) == data[w * 1000:(w + 1) * 1000] and \
+                    bytes(c.read_many([("/f", 5, 5)])[0]) == data[5:10]
+                os._exit(0 if ok else 1)
+            pids.append(pid)
+        assert all(os.waitpid(p, 0)[1] == 0 for p in pids)
+        assert bytes(f.pread(10, 0)) == data[:10]  # the parent's connections still work
+        f.close()
+
+
+def test_bad_input(volume, tmp_path):
+    _fill(volume, {"/f": b"data"})
+    with pytest.raises(FileNotFoundError):
+        bmfs.connect(tmp_path / "nowhere")
+    (tmp_path / "foreign").mkdir()
+    with pytest.raises(FileNotFoundError):
+        bmfs.connect(tmp_path / "foreign")
+    with pytest.raises(FileNotFoundError, match="no branch named 'nope'"):
+        bmfs.connect(volume, branch="nope")
+    with pytest.raises(FileNotFoundError):
+        bmfs.connect(volume, snapshot="nope")
+    with bmfs.connect(volume) as c:
+        with pytest.raises(FileNotFoundError):
+            c.read_file("/missing")
+        with pytest.raises(FileNotFoundError):
+            c.read_many([("/f", 0, 1), ("/missing", 0, 1)])
+        with pytest.raises(IsADirectoryError):
+            c.open("/")
+        with pytest.raises(PermissionError) as e:
+            c.write_file("/new", b"x")
+        assert e.value.errno == errno.EROFS
+        with pytest.raises(ValueError):
+            c.read_many([("/f", -1, 1)])
+
+
+def test_mounted_one_machine_volume(volume, tmp_path):
+    """A mount owns a one-machine volume: the client is refused, the mount goes on;
+    a read-only client keeps a mount from starting until it closes."""
+    _fill(volume, {"/f": b"before"})
+    with Mounted(volume, tmp_path / "mnt") as m:
+        with pytest.raises(PermissionError, match="mount"):
+            bmfs.connect(volume)
+        with pytest.raises(PermissionError):
+            bmfs.connect(volume, writable=True)
+        with open(os.path.join(m.mp, "f"), "rb") as f:
+            assert f.read() == b"before"
+    with bmfs.connect(volume) as c:
+        from mountutil import bmfs as run
+        res = run("mount", tmp_path / "mnt", "--volume", volume, check=False)
+        assert res.returncode != 0 and "in use" in res.stderr
+        assert c.read_file("/f") == b"before"
+
+
+def test_snapshots_and_branches_by_name(volume, tmp_path):
+    _fill(volume, {"/f": b"one"})
+    with Mounted(volume, tmp_path / "mnt") as m:
+        m.ctl("snapshot_create", name="s1")
+        m.ctl("branch_create", name="dev")
+        with open(os.path.join(m.mp, "f"), "wb") as f:
+            f.write(b"two")
+    with bmfs.connect(volume, snapshot="s1", writable=True) as c:
+        assert c.read_file("/f") == b"one"
+        with pytest.raises(OSError) as e:
+            c.write_file("/f", b"x")
+        assert e.value.errno == errno.EROFS
+    with bmfs.connect(volume, branch="dev", writable=True) as c:
+        assert c.read_file("/f") == b"one"
+        c.write_file("/g", b"in dev")
+    with bmfs.connect(volume) as c:
+        assert c.read_file("/f") == b"two" and not c.exists("/g")
+    assert_fsck_clean(volume)
+
+
+def test_typed_views_without_a_mount(volume, tmp_path):
+    """Record files and .npy arrays written through a mount, read through the client."""
+    import numpy as np
+    from bmfs.typed import records
+    from bmfs.typed.registry import proto_class
+    Sample = proto_class("bmfs.examples.Sample")
+    arr = np.arange(3000 * 7, dtype="<f4").reshape(3000, 7)
+    with Mounted(volume, tmp_path / "mnt") as m:
+        with records.writer(os.path.join(m.mp, "train.rec"), Sample) as w:
+            for i in range(5000):
+                w.append(Sample(id=i, label=f"sample {i}" * (i % 5)))
+        np.save(os.path.join(m.mp, "a.npy"), arr)
+        with open(os.path.join(m.mp, "junk.rec"), "wb") as f:
+            f.write(b"BMRECS\r\n" + b"\0" * 100)
+    with bmfs.connect(volume) as c:
+        recs = c.records("/train.rec")
+        assert len(recs) == 5000 and recs.message_class is Sample
+        assert recs[4999].id == 4999 and recs[-1].id == 4999
+        picked = [17, 4000, 3, 17, 2500]
+        assert [s.id for s in recs.get_many(picked)] == picked
+        assert [s.label for s in recs.get_many(picked)] == \
+            [f"sample {i}" * (i % 5) for i in picked]
+        assert [s.id for s in recs] == list(range(5000))
+        with pytest.raises(IndexError):
+            recs[5000]
+        recs.close()
+        from bmfs.typed.errors import NotSupportedHere, TypeMismatch
+        with pytest.raises(NotSupportedHere, match="version 0"):
+            c.records("/junk.rec")
+        a = c.array("/a.npy")
+        assert a.shape == (3000, 7) and a.dtype == np.dtype("<f4")
+        assert np.array_equal(a.read(), arr) and np.array_equal(a[5], arr[5])
+        assert np.array_equal(a[10:20], arr[10:20])
+        assert np.array_equal(a.take([2999, 0, 1234]), arr[[2999, 0, 1234]])
+        with pytest.raises(TypeMismatch):
+            c.array("/train.rec")

@@ -7,7 +7,7 @@ of the branch or snapshot the client opened, files are read and written through
 
 Metadata and writers:
 - etcd: the client is one more writer beside the mounts. A writable one holds a
-  mount record (``m/``, vfs/session.py keep_alive) while it is open, as a mount does.
+  mount record (``m/``, volume/session.py keep_alive) while it is open, as a mount does.
 - SQLite (one machine): the database has one owner. With ``writable=True`` the
   client takes it as a mount would (nothing else opens the volume meanwhile; a
   forked child cannot use it). Otherwise it reads the database beside other readers
@@ -25,7 +25,7 @@ import stat
 import trio
 
 from ..errors import FsError, VolumeError
-from ..vfs import gc, session
+from ..volume import session, upkeep
 from ..vfs.fs import FileSystem
 from ..vfs.views import Views
 from ..volume.volume import Volume
@@ -60,16 +60,15 @@ class Session:
 
     def __init__(self, volume: Volume, fs: FileSystem, writable: bool, nursery):
         self.volume, self.fs, self.writable, self.nursery = volume, fs, writable, nursery
-        self.owner = writable and volume.kv.single_writer  # took the SQLite database
+        self.owner = writable and volume.kv.caps.single_writer  # took the SQLite database
 
     @classmethod
     async def open(cls, path: str, branch: str, snapshot: str | None, writable: bool,
                    nursery) -> "Session":
         volume = await Volume.open(path, shared=not writable)
         try:
-            if writable and volume.kv.single_writer:
-                swept = await gc.begin_session(volume)  # as a mount: after a crash
-                del swept
+            if writable and volume.kv.caps.single_writer:
+                await upkeep.begin(volume)  # as a mount: after a crash
             views = Views(volume.kv)
             kind, name = ("snapshot", snapshot) if snapshot else ("branch", branch)
             await views.add(kind, name, view_id=0)
@@ -80,7 +79,7 @@ class Session:
             fs.read_only = not writable
             fs.files.nursery = nursery
             s = cls(volume, fs, writable, nursery)
-            if writable and not volume.kv.single_writer:
+            if writable and not volume.kv.caps.single_writer:
                 await nursery.start(session.keep_alive, fs, f"/bmfs.connect/{os.getpid()}")
             return s
         except BaseException:
@@ -91,7 +90,7 @@ class Session:
         try:
             await self.fs.aclose()
             if self.owner:
-                await gc.end_session(self.volume)
+                await upkeep.end(self.volume)
         finally:
             await self.volume.aclose()
 

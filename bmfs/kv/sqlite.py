@@ -266,16 +266,14 @@ class SqliteKV(KV):
             db.execute("PRAGMA query_only=1")
             db.execute("SELECT count(*) FROM sqlite_master").fetchone()
             kv = cls(url, db, lockfd, path, read_only=True)
-            with os.fdopen(_open_own(path + "-redo", os.O_RDONLY | os.O_CREAT), "rb") as f:
-                buf = f.read()
-            for rev, entries in _records(buf):
-                for key, value in entries:
-                    kv._remember(key, value, rev)
-                kv._rev = max(kv._rev, rev)
+            kv._take_log(os.O_RDONLY | os.O_CREAT)
             return kv
         except sqlite3.DatabaseError as e:
             os.close(lockfd)
             raise VolumeError(f"{path}: the metadata database cannot be read ({e})")
+        except BaseException:
+            os.close(lockfd)
+            raise
 
     @classmethod
     def _open(cls, url: str, path: str, lockfd: int) -> "SqliteKV":
@@ -320,8 +318,17 @@ class SqliteKV(KV):
         Raises:
             VolumeError: a damaged record with valid newer ones after it.
         """
+        self._take_log(os.O_RDONLY)
+        self._cut_log()
+
+    def _take_log(self, flags: int) -> None:
+        """Remember the commits of the redo log (opened with ``flags``) as pending ones.
+
+        Raises:
+            VolumeError: a damaged record with valid newer ones after it.
+        """
         log_path = self._path + "-redo"
-        with os.fdopen(_open_own(log_path, os.O_RDONLY), "rb") as f:
+        with os.fdopen(_open_own(log_path, flags), "rb") as f:
             buf = f.read()
         records, end, why = _records(buf, self._rev, log_path)
         if why == "damaged":
@@ -336,7 +343,6 @@ class SqliteKV(KV):
             for key, value in entries:
                 self._remember(key, value, rev)
             self._rev = max(self._rev, rev)
-        self._cut_log()
 
     # -- reads: pending commits first ----------------------------------------------------
     async def _get(self, key):

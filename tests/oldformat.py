@@ -1,10 +1,11 @@
 """Volumes in the encodings of earlier format revisions, for upgrade tests.
 
 Revisions 1 and 2 stored every metadata value as its payload alone; revision 3 appends
-a crc32c of key and payload (bmfs/kv/seal.py) and nothing else changed. So a volume of
-revision 3, cleanly unmounted (its redo log empty), becomes the volume an earlier bmfs
-would have written by cutting that checksum off every value in meta.db and writing the
-earlier revision number into the settings.
+a crc32c of key and payload (bmfs/kv/seal.py); revision 4 adds two counts to the end
+of every inode record (records.Inode). So a volume of revision 4, cleanly unmounted
+(its redo log empty), becomes the volume an earlier bmfs would have written by cutting
+the counts off every inode, and below revision 3 the checksum off every value, in
+meta.db, and writing the earlier revision number into the settings.
 """
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ import json
 import os
 import sqlite3
 
-from bmfs.kv.seal import SEAL_BYTES, is_sealed
+from bmfs.kv.seal import SEAL_BYTES, is_sealed, seal
 from bmfs.meta import keys
+from bmfs.meta.records import Inode
+
+_INODE_BYTES = len(Inode(0).pack())
+_COUNTS_BYTES = 8  # revision 4's chunks and xattrs counts, two u32
 
 
 def _previous(k: bytes, v: bytes, fmt: int) -> bytes:
@@ -24,7 +29,10 @@ def _previous(k: bytes, v: bytes, fmt: int) -> bytes:
         d = json.loads(raw)
         d["format"] = fmt
         raw = json.dumps(d).encode()
-    return raw
+    elif k.startswith(keys.INODE_PREFIX) and raw[:1] == keys.LIVE and fmt < 4:
+        assert len(raw) == 1 + _INODE_BYTES, k
+        raw = raw[:-_COUNTS_BYTES]  # (a tombstone is the tag alone)
+    return seal(k, raw) if fmt >= keys.SEALED_REVISION else raw
 
 
 def to_previous_format(volume, fmt: int = 2) -> int:

@@ -358,7 +358,7 @@ def _volume_format(volume, set_to=None) -> int:
     a volume made by an older bmfs, in its encoding (tests/oldformat.py), or by a
     newer one)."""
     from oldformat import stored_format, to_previous_format
-    if set_to is not None and set_to < 3:
+    if set_to is not None and set_to < 4:
         to_previous_format(volume, set_to)
     elif set_to is not None:
         db = sqlite3.connect(os.path.join(volume, "meta.db"))
@@ -385,7 +385,7 @@ def test_volume_format_revisions(tmp_path):
     vol, mp = tmp_path / "vol", tmp_path / "mp"
     mp.mkdir()
     mkfs(vol)
-    assert _volume_format(vol) == keys.FORMAT_REVISION == 3
+    assert _volume_format(vol) == keys.FORMAT_REVISION == 4
     with Mounted(vol, mp):
         (mp / "kept").write_bytes(b"x" * 100_000)
     _volume_format(vol, set_to=1)      # as made before fragment revision 2
@@ -395,18 +395,18 @@ def test_volume_format_revisions(tmp_path):
     with Mounted(vol, mp):
         assert (mp / "kept").read_bytes() == b"x" * 100_000
         (mp / "new").write_bytes(b"y" * 100_000)
-    assert _volume_format(vol) == 3    # the mount upgraded it
-    assert "upgraded to 3" in (vol / "mount.log").read_text()
+    assert _volume_format(vol) == 4    # the mount upgraded it
+    assert "upgraded to 4" in (vol / "mount.log").read_text()
 
-    _volume_format(vol, set_to=4)      # made by a newer bmfs
+    _volume_format(vol, set_to=5)      # made by a newer bmfs
     for cmd in (["mount", mp, "--volume", vol], ["fsck", vol], ["fsck", vol, "--repair"],
                 ["status", vol], ["repair", vol]):
         res = bmfs(*cmd, check=False)
         assert res.returncode == 2, (cmd, res.returncode, res.stderr)
-        assert "format revision 4" in one_line_error(res), cmd
+        assert "format revision 5" in one_line_error(res), cmd
     assert not is_mounted(mp)
-    assert _volume_format(vol) == 4
-    _volume_format(vol, set_to=3)
+    assert _volume_format(vol) == 5
+    _volume_format(vol, set_to=4)
     with Mounted(vol, mp):
         assert (mp / "kept").read_bytes() == b"x" * 100_000
         assert (mp / "new").read_bytes() == b"y" * 100_000

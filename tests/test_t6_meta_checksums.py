@@ -295,10 +295,125 @@ def test_flipped_value_in_etcd_is_eio_and_fsck_names_it(etcd_cluster, tmp_path):
     _fsck_names_damage(vol, f"metadata record {dkey!r} fails its checksum")
 
 
-def test_previous_format_is_upgraded_by_mount(tmp_path):
-    """A volume in the encoding of format revision 2 (no checksums): status and fsck
-    read it as it is; the first mount seals every record and raises it to 3; every
-    file reads back byte for byte, and fsck --full is clean."""
+def _moved_key(key: bytes, part: str) -> bytes:
+    """``key`` (a c/ or x/ key) with one byte changed: in its inode number (the
+    record leaves the file's range) or after it (an index or name within the range)."""
+    at = 2 if part == "ino" else key.index(b"@") - 1
+    return key[:at] + bytes([key[at] ^ 0x01]) + key[at + 1:]
+
+
+def _fill_counted(mp) -> None:
+    _fill(mp)
+    os.setxattr(mp / "g", "user.a", b"1")
+    os.setxattr(mp / "g", "user.bm.type", b"npy")
+    with open(mp / "sparse", "wb") as f:  # chunks 0 and 1 holes, 2 written
+        f.truncate(200 << 20)
+        f.seek(150 << 20)
+        f.write(b"far out")
+
+
+def _holes_still_read_zeros(mp) -> None:
+    with open(mp / "sparse", "rb") as f:
+        assert f.read(4096) == b"\0" * 4096
+        f.seek(100 << 20)
+        assert f.read(4096) == b"\0" * 4096
+        f.seek(150 << 20)
+        assert f.read(7) == b"far out"
+
+
+def _sqlite_moved(tmp_path, prefix: bytes, part: str):
+    """A volume filled (_fill_counted) whose first record of g under ``prefix`` (``%x``
+    for g's inode number) was moved (_moved_key); (vol, mp, g's ino, the new key)."""
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol)
+    with Mounted(vol, mp):
+        _fill_counted(mp)
+        g_ino = os.stat(mp / "g").st_ino
+    key = next(k for k, _ in _sqlite_rows(vol) if k.startswith(prefix % g_ino))
+    moved = _moved_key(key, part)
+    _sqlite_move(vol, key, moved)
+    return vol, mp, g_ino, moved
+
+
+def _damage_said(vol, g_ino, counted: str, part: str, moved: bytes) -> None:
+    """The mount's log and fsck --full say it (a record moved within the file's range
+    fails its checksum when the count is checked)."""
+    log = (vol / "mount.log").read_text()
+    said = f"inode {g_ino} counts {counted}" if part == "ino" else \
+        f"damaged metadata record {moved!r}"
+    assert said in log, log[-2000:]
+    res = fsck(vol, "--full")
+    assert res.returncode == 1 and "Traceback" not in res.stdout + res.stderr
+    assert f"metadata record {moved!r} fails its checksum" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("part", ["ino", "index"])
+def test_chunk_key_changed_is_eio_not_zeros(tmp_path, part):
+    """A byte changed in the key of a file's chunk record: the record moves where no
+    read of the file looks, and the file read zeros. The inode counts its chunk
+    records, so the read is EIO (and a line in the log); a sparse file's holes still
+    read zeros; fsck --full reports it."""
+    vol, mp, g_ino, moved = _sqlite_moved(tmp_path, b"c/%016x/", part)
+    with Mounted(vol, mp):
+        _expect_eio((mp / "g").read_bytes)
+        assert (mp / "h").read_text() == "another one\n"
+        _holes_still_read_zeros(mp)
+    _damage_said(vol, g_ino, "1 chunk records, 0 found", part, moved)
+
+
+@pytest.mark.parametrize("part", ["ino", "name"])
+def test_xattr_key_changed_is_eio_not_a_missing_attribute(tmp_path, part):
+    """The same for an xattr record: getxattr of the name, listxattr and removexattr
+    are EIO, not ENODATA or a short list; the other attribute still reads."""
+    vol, mp, g_ino, moved = _sqlite_moved(tmp_path, b"x/%016x/user.bm.type", part)
+    with Mounted(vol, mp):
+        _expect_eio(os.getxattr, mp / "g", "user.bm.type")
+        _expect_eio(os.listxattr, mp / "g")
+        _expect_eio(os.removexattr, mp / "g", "user.bm.type")
+        assert (mp / "g").read_text() == "text file\n"
+        if part == "ino":  # (a name changed within the range fails its checksum too)
+            assert os.getxattr(mp / "g", "user.a") == b"1"
+        with pytest.raises(OSError) as e:  # an attribute never set: still ENODATA
+            os.getxattr(mp / "h", "user.none")
+        assert e.value.errno == errno.ENODATA
+    _damage_said(vol, g_ino, "2 xattr records", part, moved)
+
+
+def test_chunk_and_xattr_keys_changed_in_etcd_are_eio(etcd_cluster, tmp_path):
+    """The same on etcd: g's chunk record and one of its xattrs moved to keys of
+    another inode number: reading g and getxattr are EIO, holes still read zeros."""
+    etcd_cluster.wipe()
+    vol, mp = tmp_path / "vol", tmp_path / "mp"
+    mkfs(vol, "--meta", etcd_cluster.url)
+    with Mounted(vol, mp):
+        _fill_counted(mp)
+        g_ino = os.stat(mp / "g").st_ino
+    every = base64.b64encode(b"\0").decode()
+    kvs = etcd_cluster.post(0, "/v3/kv/range", {"key": every, "range_end": every}).get("kvs", [])
+    rows = {base64.b64decode(r["key"]): base64.b64decode(r.get("value", "")) for r in kvs}
+    for prefix in (b"c/%016x/" % g_ino, b"x/%016x/user.bm.type" % g_ino):
+        key = next(k for k in rows if k.startswith(prefix))
+        etcd_cluster.post(0, "/v3/kv/deleterange", {"key": base64.b64encode(key).decode()})
+        etcd_cluster.post(0, "/v3/kv/put", {
+            "key": base64.b64encode(_moved_key(key, "ino")).decode(),
+            "value": base64.b64encode(rows[key]).decode()})
+    with Mounted(vol, mp):
+        _expect_eio((mp / "g").read_bytes)
+        _expect_eio(os.getxattr, mp / "g", "user.bm.type")
+        assert os.getxattr(mp / "g", "user.a") == b"1"
+        assert (mp / "h").read_text() == "another one\n"
+        _holes_still_read_zeros(mp)
+    log = (vol / "mount.log").read_text()
+    assert f"inode {g_ino} counts 1 chunk records, 0 found" in log, log[-2000:]
+    assert f"inode {g_ino} counts 2 xattr records, 1 found" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_previous_format_is_upgraded_by_mount(tmp_path, fmt):
+    """A volume in the encoding of format revision 2 (no checksums) or 3 (no record
+    counts in inodes): status and fsck read it as it is; the first mount seals every
+    record (from 2) and raises it to 4; every file reads back byte for byte, and fsck
+    --full is clean."""
     vol, mp = tmp_path / "vol", tmp_path / "mp"
     mkfs(vol)
     big = os.urandom(300_000)
@@ -309,12 +424,13 @@ def test_previous_format_is_upgraded_by_mount(tmp_path):
         os.setxattr(mp / "g", "user.note", b"kept")
         assert m.ctl("snapshot_create", name="s1")["ok"]
         (mp / "h").write_text("changed after the snapshot\n")
-    n = to_previous_format(vol, 2)
-    assert n > 60 and stored_format(vol) == (2, False)
+    n = to_previous_format(vol, fmt)
+    assert n > 60 and stored_format(vol) == (fmt, fmt >= 3)
     assert json.loads(bmfs("status", vol, "--json").stdout)
     res = fsck(vol)
-    assert res.returncode == 0 and "carry no checksums" in res.stdout, res.stdout
-    assert stored_format(vol) == (2, False)  # reading it changed nothing
+    assert res.returncode == 0 and ("carry no checksums" in res.stdout) == (fmt < 3), \
+        res.stdout
+    assert stored_format(vol) == (fmt, fmt >= 3)  # reading it changed nothing
     with Mounted(vol, mp):
         assert (mp / "g").read_text() == "text file\n"
         assert (mp / "h").read_text() == "changed after the snapshot\n"
@@ -325,8 +441,8 @@ def test_previous_format_is_upgraded_by_mount(tmp_path):
         assert sorted(os.listdir(mp / "dir")) == NAMES
         assert all((mp / "dir" / n).read_text() == n for n in NAMES)
         (mp / "new").write_text("after the upgrade\n")
-    assert stored_format(vol) == (3, True)
-    assert "upgraded to 3" in (vol / "mount.log").read_text()
+    assert stored_format(vol) == (4, True)
+    assert "upgraded to 4" in (vol / "mount.log").read_text()
     res = fsck(vol, "--full")
     assert res.returncode == 0 and "carry no checksums" not in res.stdout, res.stdout
     assert_fsck_clean(vol)
@@ -350,6 +466,6 @@ def test_previous_format_on_etcd_is_upgraded_by_mount(etcd_cluster, tmp_path):
         assert (mp / "big").read_bytes() == big
         assert sorted(os.listdir(mp / "dir")) == NAMES
         assert all((mp / "dir" / n).read_text() == n for n in NAMES)
-    assert "upgraded to 3" in (vol / "mount.log").read_text()
+    assert "upgraded to 4" in (vol / "mount.log").read_text()
     res = fsck(vol, "--full")
     assert res.returncode == 0 and "carry no checksums" not in res.stdout, res.stdout

@@ -8,7 +8,7 @@ etcd's backend quota (``--quota-backend-bytes``, 2 GiB by default); etcd then ra
 its NOSPACE alarm and refuses every write, and the volume turns read-only.
 
 What: every :data:`INTERVAL` seconds each mount notes etcd's current revision; the
-mount that leads the upkeep (the oldest live one, vfs/session.py ``leads_repair``)
+mount that leads the upkeep (the oldest live one, volume/session.py ``leads_repair``)
 compacts the history up to the revision it noted :data:`WINDOW` seconds ago. The
 window is what a resuming watch needs: a watch resumes after failing over to
 another member within the engine's timeout (10 s) of its last change, far inside the

@@ -31,7 +31,7 @@ from ..errors import Busy, Exists, FsError, Invalid, NotFound, Perm
 from ..kv import prefix_end
 from . import keys
 from .layers import Chain, lget, lput, ldel, lscan
-from .namespace import ROOT, adjust_refs, put_chunk
+from .namespace import ROOT, adjust_refs, put_chunk, recount
 from .records import Inode, unpack_dentry, unpack_slices
 
 log = logging.getLogger(__name__)
@@ -981,7 +981,13 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
                 await ldel(txn, ct, sub)
             else:
                 await lput(txn, ct, sub, value)
-        return list(m.plan), m.resolved
+        # record counts follow the merged records (chunks and xattrs merge key by key)
+        planned = list(m.plan)
+        for ino in sorted({keys.ino_of(s) for s in planned
+                           if not s.startswith(keys.DENTRY_PREFIX)}):
+            if await recount(txn, ct, ino):
+                planned.append(keys.inode(ino))
+        return planned, m.resolved
     plan, nconf = await kv.transact(three_way)
     return {"result": "merged", "applied": len(plan), "conflicts_resolved": nconf,
             "strategy": strategy, TOUCHED: (into, set(plan))}

@@ -16,8 +16,8 @@ from ..errors import MetaDamaged
 from ..kv import Txn
 from . import keys
 from .layers import Chain, ldel, lget, lput, lscan, top_value
-from .records import (SLICE_SIZE, Inode, Slice, Stripe, compact, pack_dentry, pack_slices,
-                      slice_sids, unpack_dentry, unpack_slices)
+from .records import (SLICE_SIZE, UNCOUNTED, Inode, Slice, Stripe, compact, pack_dentry,
+                      pack_slices, slice_sids, unpack_dentry, unpack_slices)
 
 ROOT = 1
 
@@ -67,13 +67,16 @@ async def chunk_indexes(txn: Txn, chain: Chain, ino: int) -> list[int]:
             for sub, _ in await lscan(txn, chain, keys.chunk_prefix(ino))]
 
 
-async def put_chunk(txn: Txn, chain: Chain, ino: int, index: int, slices: list[Slice]):
-    """Store a chunk's slice list, moving stripe references from the old list to the new.
+async def put_chunk(txn: Txn, chain: Chain, ino: int, index: int, slices: list[Slice]) -> int:
+    """Store a chunk's slice list, moving stripe references from the old list to the new;
+    returns how the file's count of chunk records changes (+1, -1, 0: the caller
+    adds it to the inode's ``chunks``, Inode.count).
 
     Only a version in the top layer is replaced; a version in a lower (frozen) layer
     keeps its references because it is still part of older trees.
     """
     sub = keys.chunk(ino, index)
+    existed = await lget(txn, chain, sub) is not None
     old_sids = await _top_sids(txn, chain, sub)
     new_sids = {s.sid for s in slices}
     if slices:
@@ -82,6 +85,7 @@ async def put_chunk(txn: Txn, chain: Chain, ino: int, index: int, slices: list[S
         await ldel(txn, chain, sub)
     await adjust_refs(txn, new_sids - old_sids, +1)
     await adjust_refs(txn, old_sids - new_sids, -1)
+    return int(bool(slices)) - int(existed)
 
 
 async def _top_sids(txn: Txn, chain: Chain, sub: bytes) -> set[int]:
@@ -91,18 +95,19 @@ async def _top_sids(txn: Txn, chain: Chain, sub: bytes) -> set[int]:
 
 
 async def append_slice(txn: Txn, chain: Chain, ino: int, index: int, sl: Slice,
-                       compact_over: int) -> int | None:
+                       compact_over: int) -> tuple[int | None, int]:
     """Add ``sl`` (the newest) to a chunk's slice list, as put_chunk would; the list's
     new length if it was compacted (it then held more than ``compact_over``), else
-    None. Without a compaction the packed list is extended as it is: no Slice
-    objects for the slices already there (thousands, in a chunk written in small
-    scattered pieces)."""
+    None, and the change of the file's count of chunk records (as put_chunk). Without
+    a compaction the packed list is extended as it is: no Slice objects for the
+    slices already there (thousands, in a chunk written in small scattered pieces)."""
     sub = keys.chunk(ino, index)
-    cur = await lget(txn, chain, sub) or b""
+    cur = await lget(txn, chain, sub)
+    created = int(cur is None)
+    cur = cur or b""
     if len(cur) // SLICE_SIZE + 1 > compact_over:
         slices = compact(unpack_slices(cur) + [sl], keys.CHUNK_SIZE)
-        await put_chunk(txn, chain, ino, index, slices)
-        return len(slices)
+        return len(slices), await put_chunk(txn, chain, ino, index, slices)
     top = await top_value(txn, chain, sub)
     await lput(txn, chain, sub, cur + pack_slices([sl]))
     # the new version refers to what the tree showed (cur) and sl. A live version in
@@ -113,7 +118,7 @@ async def append_slice(txn: Txn, chain: Chain, ino: int, index: int, sl: Slice,
         await adjust_refs(txn, {sl.sid} - slice_sids(cur), +1)
     else:
         await adjust_refs(txn, slice_sids(cur) | {sl.sid}, +1)
-    return None
+    return None, created
 
 
 async def adjust_refs(txn: Txn, sids, delta: int) -> None:
@@ -163,15 +168,60 @@ async def get_xattr(txn, chain, ino, name: bytes) -> bytes | None:
 
 
 async def set_xattr(txn, chain, ino, name: bytes, value: bytes) -> None:
+    """(The caller counts a new name in the inode's ``xattrs``.)"""
     await lput(txn, chain, keys.xattr(ino, name), value)
 
 
 async def remove_xattr(txn, chain, ino, name: bytes) -> None:
+    """(The caller counts the name out of the inode's ``xattrs``.)"""
     await ldel(txn, chain, keys.xattr(ino, name))
 
 
 async def list_xattrs(txn, chain, ino) -> list[bytes]:
     return [keys.xattr_name_of(sub) for sub, _ in await lscan(txn, chain, keys.xattr_prefix(ino))]
+
+
+# -- record counts: a record missing that the inode counts is damage, not absence --------
+_COUNTED = {"chunks": keys.chunk_prefix, "xattrs": keys.xattr_prefix}
+
+
+async def counted(txn, chain, ino: int, field: str) -> int:
+    """How many chunk (``field`` "chunks") or xattr ("xattrs") records ``ino`` has in the
+    tree (a scan: every value is checked on the way, so a record moved within the
+    file's range fails its checksum here)."""
+    return len(await lscan(txn, chain, _COUNTED[field](ino)))
+
+
+async def check_counts(txn, chain, ino: int, field: str, what: str) -> None:
+    """A lookup of ``ino`` found a chunk or xattr record (``what``) absent: that stands
+    only if the file has as many such records as its inode counts.
+
+    Raises:
+        MetaDamaged: fewer or more records than counted (a key changed on disk, say).
+    """
+    i = await get_inode(txn, chain, ino)
+    want = UNCOUNTED if i is None else getattr(i, field)
+    if want == UNCOUNTED:
+        return
+    n = await counted(txn, chain, ino, field)
+    if n != want:
+        raise MetaDamaged(f"damaged metadata: inode {ino} counts {want} {field[:-1]} "
+                          f"records, {n} found ({what} is missing: a record damaged or "
+                          f"moved)", keys.inode(ino))
+
+
+async def recount(txn, chain, ino: int) -> bool:
+    """Set ``ino``'s record counts to the records it has (after a merge); whether the
+    inode changed."""
+    i = await get_inode(txn, chain, ino)
+    if i is None:
+        return False
+    c, x = await counted(txn, chain, ino, "chunks"), await counted(txn, chain, ino, "xattrs")
+    if (i.chunks, i.xattrs) == (c, x):
+        return False
+    i.chunks, i.xattrs = c, x
+    await put_inode(txn, chain, ino, i)
+    return True
 
 
 async def get_symlink(txn, chain, ino) -> bytes | None:

@@ -9,11 +9,19 @@ import stat
 import struct
 from dataclasses import dataclass, field
 
-_INODE = struct.Struct("<IIIIQqqqQQ")
+_INODE = struct.Struct("<IIIIQqqqQQII")
+_INODE_R3 = struct.Struct("<IIIIQqqqQQ")  # format revisions 1 to 3: no record counts
+# ``chunks``/``xattrs`` of an inode whose counts are not known (one written by format
+# revision 3 or earlier): nothing is checked against them
+UNCOUNTED = 0xFFFFFFFF
 
 
 @dataclass(slots=True)
 class Inode:
+    """An inode's attributes, and how many chunk records (``c/``) and xattr records
+    (``x/``) the file has in its tree: a read that finds a record missing which the
+    count says exists is EIO, not a hole of zeros or a missing attribute (a key
+    changed on disk moves its record where no read looks). UNCOUNTED: not known."""
     mode: int
     uid: int = 0
     gid: int = 0
@@ -24,13 +32,18 @@ class Inode:
     ctime_ns: int = 0
     rdev: int = 0
     parent: int = 0  # directories: the directory holding them
+    chunks: int = 0
+    xattrs: int = 0
 
     def pack(self) -> bytes:
         return _INODE.pack(self.mode, self.uid, self.gid, self.nlink, self.size,
-                           self.atime_ns, self.mtime_ns, self.ctime_ns, self.rdev, self.parent)
+                           self.atime_ns, self.mtime_ns, self.ctime_ns, self.rdev, self.parent,
+                           self.chunks, self.xattrs)
 
     @classmethod
     def unpack(cls, b: bytes) -> "Inode":
+        if len(b) == _INODE_R3.size:
+            return cls(*_INODE_R3.unpack(b), UNCOUNTED, UNCOUNTED)
         return cls(*_INODE.unpack(b))
 
     def is_dir(self) -> bool:
@@ -41,7 +54,14 @@ class Inode:
 
     def copy(self) -> "Inode":
         return Inode(self.mode, self.uid, self.gid, self.nlink, self.size,
-                     self.atime_ns, self.mtime_ns, self.ctime_ns, self.rdev, self.parent)
+                     self.atime_ns, self.mtime_ns, self.ctime_ns, self.rdev, self.parent,
+                     self.chunks, self.xattrs)
+
+    def count(self, field: str, delta: int) -> None:
+        """Add ``delta`` to the count ``field`` ("chunks", "xattrs"), if it is known."""
+        n = getattr(self, field)
+        if n != UNCOUNTED:
+            setattr(self, field, max(n + delta, 0))
 
 
 _DENTRY = struct.Struct("<QI")

@@ -25,6 +25,7 @@ import logging
 import os
 import stat
 import time
+from functools import partial
 
 import trio
 
@@ -35,7 +36,7 @@ from ..lru import LRU
 from ..meta import branches, keys
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
-from ..meta.records import Inode, Slice, SliceMap, compact
+from ..meta.records import UNCOUNTED, Inode, Slice, SliceMap, compact
 from .attr import attr_of
 from .views import INO_MASK, VIEW_SHIFT
 
@@ -552,10 +553,12 @@ class Files:
                 txn.put(keys.damage(sid, d), b"missing or doubled up at write")
             key = (of.view.id, of.ino, idx)
             hint = self._compacted.hit(key, 0)
-            kept = await ns.append_slice(txn, chain, of.ino, idx, Slice(pos, st.length, sid, 0),
-                                         max(COMPACT_AT, 2 * hint))
+            kept, made = await ns.append_slice(txn, chain, of.ino, idx,
+                                               Slice(pos, st.length, sid, 0),
+                                               max(COMPACT_AT, 2 * hint))
             if kept is not None:
                 self._compacted.put(key, kept)
+            i.count("chunks", made)
             i.size = max(i.size, end)
             i.mtime_ns = i.ctime_ns = mtime
             await ns.put_inode(txn, chain, of.ino, i)
@@ -666,7 +669,8 @@ class Files:
                 if whole:
                     return False
                 for idx in idxs[-FREE_BATCH:]:
-                    await ns.put_chunk(txn, chain, ino, idx, [])
+                    i.count("chunks", await ns.put_chunk(txn, chain, ino, idx, []))
+                await ns.put_inode(txn, chain, ino, i)
                 return False
             done.append((ino, i, None))
             await ns.delete_inode(txn, chain, ino, i)
@@ -881,16 +885,19 @@ class Files:
                     # a big cut: whole chunks past the new end go a batch per transaction
                     # (the size changes in the last one; meanwhile they read as holes)
                     for idx in beyond[-FREE_BATCH:]:
-                        await ns.put_chunk(txn, chain, ino, idx, [])
+                        i.count("chunks", await ns.put_chunk(txn, chain, ino, idx, []))
+                    await ns.put_inode(txn, chain, ino, i)
                     return None
                 for idx in beyond:
-                    await ns.put_chunk(txn, chain, ino, idx, [])
+                    i.count("chunks", await ns.put_chunk(txn, chain, ino, idx, []))
+                if size == 0:
+                    i.chunks = 0  # (known now, if it was not: a file of an older revision)
                 if size % CHUNK_SIZE:
                     idx = size // CHUNK_SIZE
                     slices = await ns.get_chunk(txn, chain, ino, idx)
                     if slices:
                         slices = compact(slices, size % CHUNK_SIZE)
-                        await ns.put_chunk(txn, chain, ino, idx, slices)
+                        i.count("chunks", await ns.put_chunk(txn, chain, ino, idx, slices))
                         self._compacted.pop((view.id, ino, idx), None)
             now = time.time_ns()
             i.size = size
@@ -939,7 +946,14 @@ class Files:
             cend = min(end - idx * CHUNK_SIZE, CHUNK_SIZE)
             smap = cache[3].get(idx)
             if smap is None:
-                smap = cache[3][idx] = SliceMap(await ns.get_chunk(txn, chain, of.ino, idx))
+                slices = await ns.get_chunk(txn, chain, of.ino, idx)
+                if not slices and i.chunks != UNCOUNTED:
+                    # a hole, or a record gone (a key changed on disk): the counts say
+                    # which (in a transaction of its own: a truncate by another mount
+                    # between the reads is a retry, not damage)
+                    await self.kv.transact(partial(ns.check_counts, chain=chain, ino=of.ino,
+                                                   field="chunks", what=f"chunk {idx}"))
+                smap = cache[3][idx] = SliceMap(slices)
             pieces.extend(smap.pieces(cpos, cend))
             pos = idx * CHUNK_SIZE + cend
         if len(pieces) == 1:

@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 import time
+from functools import partial
 
 import trio
 
@@ -23,7 +24,7 @@ from ..errors import (CrossDevice, Exists, FsError, Invalid, IsDir, MetaDamaged,
 from ..lru import LRU
 from ..meta import keys
 from ..meta import namespace as ns
-from ..meta.records import Inode
+from ..meta.records import UNCOUNTED, Inode
 from .attr import Attr, attr_of
 from .files import Files, unclaimed
 from .held import HeldDirs
@@ -682,14 +683,33 @@ class FileSystem:
         view, ino = self.split(fino)
         v = await ns.get_xattr(self.kv.begin(), view.chain, ino, name)
         if v is None:
+            await self._xattr_absent(view, ino, name)
             raise NoAttr()
         return v
+
+    async def _xattr_absent(self, view, ino: int, name: bytes | None) -> None:
+        """An xattr found absent (``name``; None: a listing short of the count) stands
+        only if the inode counts no more (ns.check_counts; a transaction of its own:
+        a change by another mount in between is a retry, not damage).
+
+        Raises:
+            MetaDamaged: the counts say a record is gone.
+        """
+        what = "an xattr" if name is None else f"xattr {name.decode(errors='replace')!r}"
+        await self.kv.transact(partial(ns.check_counts, chain=view.chain, ino=ino,
+                                       field="xattrs", what=what))
 
     async def listxattr(self, fino: int) -> list[bytes]:
         if fino >> VIEW_SHIFT == CTL_VIEW:
             return []
         view, ino = self.split(fino)
-        return await ns.list_xattrs(self.kv.begin(), view.chain, ino)
+        txn = self.kv.begin()
+        names = await ns.list_xattrs(txn, view.chain, ino)
+        i = await ns.get_inode(txn, view.chain, ino)
+        if i is not None and i.xattrs != UNCOUNTED and i.xattrs != len(names):
+            await self._xattr_absent(view, ino, None)
+            names = await ns.list_xattrs(self.kv.begin(), view.chain, ino)
+        return names
 
     async def setxattr(self, fino: int, name: bytes, value: bytes, flags: int = 0) -> None:
         if fino >> VIEW_SHIFT == CTL_VIEW:
@@ -708,6 +728,8 @@ class FileSystem:
             if flags & XATTR_REPLACE and old is None:
                 raise NoAttr()
             await ns.set_xattr(txn, chain, ino, name, value)
+            if old is None:
+                i.count("xattrs", +1)
             i.ctime_ns = time.time_ns()
             await ns.put_inode(txn, chain, ino, i)
             return i
@@ -723,8 +745,10 @@ class FileSystem:
         async def fn(txn, chain):
             i = await self._get(txn, chain, ino)
             if await ns.get_xattr(txn, chain, ino, name) is None:
+                await ns.check_counts(txn, chain, ino, "xattrs", f"xattr {name!r}")
                 raise NoAttr()
             await ns.remove_xattr(txn, chain, ino, name)
+            i.count("xattrs", -1)
             i.ctime_ns = time.time_ns()
             await ns.put_inode(txn, chain, ino, i)
             return i

@@ -23,7 +23,8 @@ from ..errors import MetaDamaged
 from ..kv import seal
 from ..meta import keys
 from ..meta.layers import Chain, lscan, split
-from ..meta.records import EC, NO_DEVICE, Inode, Stripe, unpack_dentry, unpack_slices
+from ..meta.records import (EC, NO_DEVICE, UNCOUNTED, Inode, Stripe, unpack_dentry,
+                            unpack_slices)
 from ..meta.namespace import ROOT
 from ..transport import DeviceError
 from ..vfs.gc import collect
@@ -86,11 +87,15 @@ async def check_tree(kv, label: str, chain: Chain, problems: list[str]) -> None:
         problems.append(f"{label}: the root directory is missing")
     elif inodes[ROOT].nlink != 2 + subdirs[ROOT]:
         problems.append(f"{label}: root nlink {inodes[ROOT].nlink}, expected {2 + subdirs[ROOT]}")
+    have = {"chunks": Counter(), "xattrs": Counter()}
+    for sub, _ in await lscan(txn, chain, keys.XATTR_PREFIX):
+        have["xattrs"][keys.ino_of(sub)] += 1
     for sub, v in await lscan(txn, chain, keys.CHUNK_PREFIX):
         ino, index = keys.chunk_of(sub)
         if ino not in inodes:
             problems.append(f"{label}: slices of missing inode {ino}")
             continue
+        have["chunks"][ino] += 1
         # writes grow the size with the data and truncates cut the slices with it, so
         # data past the size is a file put together from two states (data short of
         # the size is not: a sparse file looks the same)
@@ -99,6 +104,13 @@ async def check_tree(kv, label: str, chain: Chain, problems: list[str]) -> None:
         if end and index * keys.CHUNK_SIZE + end > inodes[ino].size:
             problems.append(f"{label}: inode {ino} has data past its size "
                             f"{inodes[ino].size}")
+    # (reads trust the counts: a record missing that its inode counts is EIO)
+    for ino, i in inodes.items():
+        for field, n in have.items():
+            want = getattr(i, field)
+            if want != UNCOUNTED and want != n[ino]:
+                problems.append(f"{label}: inode {ino} counts {want} {field[:-1]} "
+                                f"records, has {n[ino]}")
 
 
 async def check_refs(kv, live_layers: set[int], problems: list[str],

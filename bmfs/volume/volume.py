@@ -336,15 +336,27 @@ async def read_settings(kv, path: str, meta: str) -> dict:
 
 
 async def _upgrade(kv, path: str, d: dict) -> dict:
-    """Raise an older volume's format revision to this bmfs's: seal every record
-    (bmfs/kv/seal.py), then the settings; the settings, upgraded. Resumes an upgrade
-    cut short; if another process finishes it meanwhile, reads what it wrote."""
+    """Raise an older volume's format revision to this bmfs's: below revision 3, seal
+    every record (bmfs/kv/seal.py), then the settings; then the revision in the settings
+    (revision 4 adds record counts to inodes, records.Inode: those of earlier revisions
+    read as UNCOUNTED and stay valid, so nothing else is rewritten). Returns the
+    settings, upgraded. Resumes an upgrade cut short; if another process finishes it
+    meanwhile, reads what it wrote."""
     old = d["format"]
-    n = await seal.seal_all(kv, keys.SEALING, keys.SETTINGS, keys.LEASED_PREFIXES)
-    d = {**d, "format": keys.FORMAT_REVISION}
-    await seal.finish(kv, keys.SEALING, keys.SETTINGS, json.dumps(d).encode())
-    kv.sealed = True
-    d = json.loads(await kv.get(keys.SETTINGS))
+    n = 0
+    if old < keys.SEALED_REVISION:
+        n = await seal.seal_all(kv, keys.SEALING, keys.SETTINGS, keys.LEASED_PREFIXES)
+        await seal.finish(kv, keys.SEALING, keys.SETTINGS,
+                          json.dumps({**d, "format": keys.SEALED_REVISION}).encode())
+        kv.sealed = True
+
+    async def raise_revision(txn):
+        cur = json.loads(await txn.get(keys.SETTINGS))
+        if cur["format"] < keys.FORMAT_REVISION:
+            cur["format"] = keys.FORMAT_REVISION
+            txn.put(keys.SETTINGS, json.dumps(cur).encode())
+        return cur
+    d = await kv.transact(raise_revision)
     log.warning("%s: volume format revision %s upgraded to %d (%d records sealed with "
                 "checksums): bmfs of revision %s no longer opens it",
                 path, old, d["format"], n, old)

@@ -17,6 +17,8 @@ import trio
 from bmfs.errors import FsError
 from bmfs.kv import sqlite as engine
 from bmfs.meta import branches as br
+from bmfs.meta import merge
+from bmfs.meta import trees
 from vfsutil import open_fs, read_file, write_file
 
 ROOT = 1
@@ -125,10 +127,10 @@ async def _step(fs, rng, views, step, counter):
     elif op < 0.9 and len(views) > 1:
         source = fs.views.by_id[rng.choice(views[1:])].name
         strategy = rng.choice(["theirs", "ours"])
-        await br.op_merge(fs.kv, source, "main", strategy=strategy)  # refused: FsError
+        await merge.op_merge(fs.kv, source, "main", strategy=strategy)  # refused: FsError
         await fs.views.refresh()
     elif op < 0.93:
-        snaps = await br.list_names(fs.kv, "snapshot")
+        snaps = await trees.list_names(fs.kv, "snapshot")
         if snaps:
             await br.op_snapshot_delete(fs.kv, rng.choice(snaps))
             await fs.views.refresh()

@@ -32,7 +32,7 @@ from ..config import MAX_FILE_SIZE
 from ..data.codec import stripe_length
 from ..errors import FsError, IOFailure, IsDir, NotFound, TooBig
 from ..lru import LRU
-from ..meta import branches, keys
+from ..meta import keys, trees
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
 from ..meta.records import Inode, Slice, SliceMap, compact
@@ -676,7 +676,7 @@ class Files:
             # the record's layer is frozen: a snapshot or branch taken since shares
             # it, nameless inode and all. The record stays for those trees (fsck,
             # a mount of that branch frees its own copy) and goes with the layer
-            # (branches.collect_layers), or once no tree has the inode; this tree's
+            # (layer_gc.collect_layers), or once no tree has the inode; this tree's
             # copy is gone now.
             done.append((ino, None, (chain.top, at, ino)))
         return True
@@ -688,10 +688,10 @@ class Files:
         copy), the record is of no more use: kept, no pass would ever drop it (the
         layer stays under this tree's; a pruned version took with it the only sign).
         A tree made meanwhile (a new layer) makes the transaction's check fail."""
-        counter, trees = await branches.trees_through(self.kv, lay)
+        counter, others = await trees.trees_through(self.kv, lay)
         if await txn.get(keys.counter("layer")) != counter:
             return True
-        for other in trees:
+        for other in others:
             if other.top != chain.top and await ns.get_inode(txn, other, ino) is not None:
                 return True
         return False

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from ..config import LAYOUTS
+from ..config import LAYOUTS, get_settings
 from .main import UserError
 from .common import run_trio
 from .repair import limit_option, run_op
@@ -37,7 +37,7 @@ def add_parser(sub):
     s.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     s.add_argument("--tls-ca", metavar="PEM", help="the cluster CA: clients must present "
                    "a certificate it signed")
-    s.add_argument("--fault", default=os.environ.get("BMFS_NODE_FAULT"),
+    s.add_argument("--fault", default=get_settings().node_fault,
                    help="test fault control: delay=SECONDS slows every read reply")
     s.set_defaults(func=run_serve)
     f = ns.add_parser("format", help="format new or empty device directories for a "

@@ -23,18 +23,16 @@ import urllib.parse
 import pyfuse3
 import trio
 
-from ..config import MountOptions
+from ..config import MountOptions, get_settings
 from ..errors import FsError
 from ..vfs import gc, session
 from ..vfs.fs import ATIME_MODES, FileSystem
 from ..vfs.volume import Volume
 from ..vfs.watch import Watcher, watch_devices
-from .idle import idle_spin_setting
 from .ops import Operations
 
 log = logging.getLogger(__name__)
 GC_INTERVAL = 5.0
-REPAIR_EVERY = int(os.environ.get("BMFS_REPAIR_ROUNDS", 6))  # GC rounds between repairs
 
 
 def pid_file(volume_path: str, mountpoint: str) -> str:
@@ -55,7 +53,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
         fs = await FileSystem.create(volume, opts.branch)
         shared = not volume.kv.caps.single_writer  # etcd: other mounts change devices
         volume.kv.enable_write_behind()  # etcd: commit behind (docs/etcd.md)
-        ops = Operations(fs, opts.attr_timeout, idle_spin_setting())
+        ops = Operations(fs, opts.attr_timeout, get_settings().idle_spin)
         fs.read_only, fs.atime = opts.read_only, opts.atime
         pyfuse3.init(ops, mountpoint, fuse_options(volume_path, opts))
         _watch_requests(volume.transport)
@@ -233,16 +231,16 @@ def _remove_pid(paths: list[str]) -> None:
 async def _gc_loop(fs):
     """Background upkeep: take up device changes made elsewhere (Volume.refresh_devices),
     record damage seen by reads, delete garbage stripes, free orphans of dead mounts
-    (etcd), and every REPAIR_EVERY rounds repair the fragments queued as missing or
-    corrupt. On a shared (etcd) volume only one mount repairs in the background (the
+    (etcd), and every repair_rounds rounds (BMFS_REPAIR_ROUNDS) repair the fragments
+    queued as missing or corrupt. On a shared (etcd) volume only one mount repairs in the background (the
     oldest live one, session.leads_repair), so fragments are not rebuilt twice."""
     shared = not fs.kv.caps.single_writer  # other mounts may die holding orphans
-    rounds = 0
+    rounds, repair_rounds = 0, get_settings().repair_rounds
     while True:
         with trio.move_on_after(GC_INTERVAL):
             await fs.collect_now.wait()  # a tree deleted here: its layers at once
         asked, fs.collect_now = fs.collect_now.is_set(), trio.Event()
-        rounds += not asked  # (repairs come every REPAIR_EVERY timed rounds)
+        rounds += not asked  # (repairs come every repair_rounds timed rounds)
         try:
             await fs.volume.refresh_devices()  # devices added or drained elsewhere
             await fs.volume.record_damage()
@@ -254,7 +252,7 @@ async def _gc_loop(fs):
             from ..vfs import repair
             # (not while a repair, scrub, drain or rebalance of this mount runs: that
             # would hold the rest of the upkeep up until it ends)
-            if rounds % REPAIR_EVERY == 0 and not repair.busy(fs.volume) and \
+            if rounds % repair_rounds == 0 and not repair.busy(fs.volume) and \
                     await fs.kv.range(*keys.span(keys.DAMAGE_PREFIX), 1) and \
                     (not shared or await session.leads_repair(fs)):
                 result = await repair.repair(fs.volume)

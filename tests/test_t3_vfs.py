@@ -1,4 +1,11 @@
-"""Level 3: POSIX rules and branches in the vfs, without FUSE; each test ends in fsck."""
+"""Level 3: POSIX rules and branches in the vfs, without FUSE; each test ends in fsck.
+
+Every test runs on each metadata engine (``engine``): sqlite, memory and a real
+3-member etcd cluster (tests/etcd_cluster.py; skipped where etcd is not installed).
+On etcd, where every metadata operation is a round trip to the cluster, a
+representative subset runs (ETCD_TESTS); SQLITE_ONLY make and reopen a volume of
+their own.
+"""
 import errno
 import os
 import stat
@@ -16,9 +23,44 @@ from bmfs.vfs.fs import FileSystem
 from bmfs.vfs.fsck import fsck
 from bmfs.vfs.views import CTL_BRANCHES, CTL_VIEW, VIEW_SHIFT
 from bmfs.vfs.volume import Volume, mkfs
-from vfsutil import open_fs, read_file, write_file
+from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
+from vfsutil import META, open_fs, read_file, write_file
 
 ROOT = 1
+ETCD_TESTS = {
+    "test_create_read_overwrite_truncate", "test_names_dirs_links", "test_rename_rules",
+    "test_unlink_open_file_keeps_data", "test_xattrs", "test_branch_isolation_and_gc",
+    "test_merge_and_diff", "test_clean_three_way_merge_and_reset",
+    "test_deleting_a_snapshot_gives_back_what_only_it_held",
+    "test_prune_keeps_an_open_unlinked_file", "test_listings_have_dot_and_dotdot",
+    "test_fsck_finds_data_past_a_files_size",
+}
+SQLITE_ONLY = {"test_files_a_crashed_mount_held_unlinked_are_freed_together"}
+
+
+def pytest_generate_tests(metafunc):
+    name = metafunc.function.__name__
+    engines = ["sqlite"] if name in SQLITE_ONLY else \
+        ["sqlite", "memory"] + (["etcd"] if name in ETCD_TESTS else [])
+    metafunc.parametrize("engine", engines, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def engine(request, tmp_path):
+    """The metadata engine the test's volumes are made on (vfsutil.META)."""
+    if request.param == "memory":
+        url = f"memory:{tmp_path}"
+    elif request.param == "etcd":
+        cluster = request.getfixturevalue("etcd_cluster")
+        cluster.wipe()
+        url = cluster.url
+    else:
+        url = None
+    token = META.set(url)
+    try:
+        yield request.param
+    finally:
+        META.reset(token)
 
 
 def run(fn, tmp_path, **kw):

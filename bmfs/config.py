@@ -119,6 +119,21 @@ def _number(name: str, raw: str | None, default, kind=float):
 
 
 @dataclass(frozen=True)
+class SqliteLimits:
+    """The sqlite engine's memory and batching (bmfs/kv/sqlite.py's module doc); not
+    from the environment: tests make them small."""
+
+    apply_keys: int = 4096         # pending keys that make the next commit apply the batch
+    cache_keys: int = 65536        # values (and absences) of keys read or written lately
+    cache_value_max: int = 20 << 10  # larger values are not kept (inline stripes: 16 KiB)
+    cache_bytes: int = 64 << 20      # values kept, in all (the oldest quarter goes beyond)
+    complete_prefixes: int = 100_000  # prefixes whose every key is known, and keys listed
+    complete_keys: int = 200_000      # under them in all: past either, the oldest go (to half)
+    complete_prefix_keys: int = 4096  # a prefix with more keys is forgotten (a big directory)
+    log_max: int = 64 << 20  # a redo log this large is cut back (apply, fsync the WAL) at once
+
+
+@dataclass(frozen=True)
 class Settings:
     """This process's tuning, each field from one environment variable (docs:
     operations.md, etcd.md, architecture.md). Read once (:func:`get_settings`) and passed
@@ -136,6 +151,7 @@ class Settings:
     etcd_compact_window: float = 300.0     # BMFS_ETCD_COMPACT_WINDOW
     etcd_defrag_min: int = 256 << 20       # BMFS_ETCD_DEFRAG_MIN (0: no defragmentation)
     node_fault: str | None = None      # BMFS_NODE_FAULT: `bmfs node --fault`'s default (tests)
+    sqlite: SqliteLimits = SqliteLimits()  # (not from the environment)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "Settings":

@@ -14,6 +14,7 @@ import random
 import pytest
 import trio
 
+from bmfs.config import SqliteLimits
 from bmfs.errors import FsError
 from bmfs.kv import sqlite as engine
 from bmfs.meta import branches as br
@@ -46,13 +47,10 @@ def _truth_range(kv, start, end, limit):
 
 
 @pytest.fixture
-def checked(monkeypatch):
+def checked(monkeypatch, use_config):
     """Small limits, and every engine read compared with the truth."""
-    monkeypatch.setattr(engine, "APPLY_KEYS", 40)
-    monkeypatch.setattr(engine, "CACHE_KEYS", 200)
-    monkeypatch.setattr(engine, "CACHE_BYTES", 40000)
-    monkeypatch.setattr(engine, "COMPLETE_PREFIXES", 60)
-    monkeypatch.setattr(engine, "COMPLETE_KEYS", 300)
+    use_config(sqlite=SqliteLimits(apply_keys=40, cache_keys=200, cache_bytes=40000,
+                                   complete_prefixes=60, complete_keys=300))
     get, rng_, keep = engine.SqliteKV._get, engine.SqliteKV._range, engine.SqliteKV._keep
     seen = {"complete": 0}
 

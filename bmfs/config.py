@@ -1,15 +1,19 @@
-"""Configuration: volume-wide settings (stored in the metadata) and per-mount options."""
+"""Configuration: volume-wide settings (stored in the metadata), per-mount options, and
+this process's tuning from ``BMFS_*`` environment variables (:class:`Settings`, read
+once by :func:`get_settings`; tests replace it with :func:`use_settings`)."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import grp
 import logging
 import os
 from dataclasses import asdict, dataclass, fields
+from typing import Iterator, Mapping
 
 from .format.revision import FORMAT_REVISION
 
 LAYOUTS = ("pool", "files")  # of a device directory: store/pool.py, store/file.py
-DEFAULT_LAYOUT = os.environ.get("BMFS_LAYOUT", "files")  # mkfs's, unless --layout
 
 
 def group_id(name: str | None) -> int | None:
@@ -90,10 +94,121 @@ def microseconds_setting(name: str, default_us: float, environ=os.environ) -> fl
     return us / 1e6
 
 
+def _seconds_or_none(name: str, raw: str | None) -> float | None:
+    """Seconds from ``raw`` (the value of ``name``), None if unset or empty; a bad value
+    is logged and taken for unset."""
+    if not raw:
+        return None
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        logging.getLogger(__name__).warning("%s=%r is not a number of seconds; ignored",
+                                            name, raw)
+        return None
+
+
+def _number(name: str, raw: str | None, default, kind=float):
+    """``kind(raw)``, else ``default`` (unset; a bad value is logged)."""
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        logging.getLogger(__name__).warning("%s=%r is not a number; using %s",
+                                            name, raw, default)
+        return default
+
+
+@dataclass(frozen=True)
+class SqliteLimits:
+    """The sqlite engine's memory and batching (bmfs/kv/sqlite.py's module doc); not
+    from the environment: tests make them small."""
+
+    apply_keys: int = 4096         # pending keys that make the next commit apply the batch
+    cache_keys: int = 65536        # values (and absences) of keys read or written lately
+    cache_value_max: int = 20 << 10  # larger values are not kept (inline stripes: 16 KiB)
+    cache_bytes: int = 64 << 20      # values kept, in all (the oldest quarter goes beyond)
+    complete_prefixes: int = 100_000  # prefixes whose every key is known, and keys listed
+    complete_keys: int = 200_000      # under them in all: past either, the oldest go (to half)
+    complete_prefix_keys: int = 4096  # a prefix with more keys is forgotten (a big directory)
+    log_max: int = 64 << 20  # a redo log this large is cut back (apply, fsync the WAL) at once
+
+
+@dataclass(frozen=True)
+class Settings:
+    """This process's tuning, each field from one environment variable (docs:
+    operations.md, etcd.md, architecture.md). Read once (:func:`get_settings`) and passed
+    down to constructors or asked for; nothing else reads ``BMFS_*`` variables."""
+
+    layout: str = "files"              # BMFS_LAYOUT: mkfs's device layout, unless --layout
+    default_volume: str | None = None  # BMFS_DEFAULT_VOLUME: where `bmfs mount /bm` keeps it
+    native: bool = True                # BMFS_NATIVE=0: no C helpers (the Python path)
+    inline_reads: bool = True          # BMFS_INLINE_READS=0: local reads always in threads
+    spin: float = 500e-6               # BMFS_SPIN_US: a lone small tcp read's reply is spun for
+    idle_spin: float = 0.0             # BMFS_IDLE_SPIN_US: a mount stays awake after an answer
+    repair_rounds: int = 6             # BMFS_REPAIR_ROUNDS: upkeep rounds between repairs
+    orphan_grace: float | None = None  # BMFS_ORPHAN_GRACE: deferred frees on shared volumes
+    etcd_compact_interval: float = 60.0    # BMFS_ETCD_COMPACT_INTERVAL (0: off)
+    etcd_compact_window: float = 300.0     # BMFS_ETCD_COMPACT_WINDOW
+    etcd_defrag_min: int = 256 << 20       # BMFS_ETCD_DEFRAG_MIN (0: no defragmentation)
+    node_fault: str | None = None      # BMFS_NODE_FAULT: `bmfs node --fault`'s default (tests)
+    sqlite: SqliteLimits = SqliteLimits()  # (not from the environment)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
+        """The settings ``environ`` gives; bad values are logged and defaults used (a
+        mount must not fail over a tuning knob)."""
+        d = cls()
+        return cls(
+            layout=environ.get("BMFS_LAYOUT") or d.layout,
+            default_volume=environ.get("BMFS_DEFAULT_VOLUME") or None,
+            native=environ.get("BMFS_NATIVE", "1") != "0",
+            inline_reads=environ.get("BMFS_INLINE_READS", "1") != "0",
+            spin=microseconds_setting("BMFS_SPIN_US", d.spin * 1e6, environ),
+            idle_spin=microseconds_setting("BMFS_IDLE_SPIN_US", d.idle_spin * 1e6, environ),
+            repair_rounds=max(1, _number("BMFS_REPAIR_ROUNDS", environ.get("BMFS_REPAIR_ROUNDS"),
+                                         d.repair_rounds, int)),
+            orphan_grace=_seconds_or_none("BMFS_ORPHAN_GRACE", environ.get("BMFS_ORPHAN_GRACE")),
+            etcd_compact_interval=_number("BMFS_ETCD_COMPACT_INTERVAL",
+                                          environ.get("BMFS_ETCD_COMPACT_INTERVAL"),
+                                          d.etcd_compact_interval),
+            etcd_compact_window=_number("BMFS_ETCD_COMPACT_WINDOW",
+                                        environ.get("BMFS_ETCD_COMPACT_WINDOW"),
+                                        d.etcd_compact_window),
+            etcd_defrag_min=_number("BMFS_ETCD_DEFRAG_MIN", environ.get("BMFS_ETCD_DEFRAG_MIN"),
+                                    d.etcd_defrag_min, int),
+            node_fault=environ.get("BMFS_NODE_FAULT") or None,
+        )
+
+
+_settings: Settings | None = None
+
+
+def get_settings() -> Settings:
+    """This process's settings, read from the environment the first time."""
+    global _settings
+    if _settings is None:
+        _settings = Settings.from_environ()
+    return _settings
+
+
+@contextlib.contextmanager
+def use_settings(**changes) -> Iterator[Settings]:
+    """This process's settings with ``changes`` (field=value) until the block ends (for
+    tests: objects made inside the block take them)."""
+    global _settings
+    before = get_settings()
+    _settings = dataclasses.replace(before, **changes)
+    try:
+        yield _settings
+    finally:
+        _settings = before
+
+
 def default_volume() -> str:
     """Where `bmfs mount /bm` keeps the default volume (created on first use)."""
-    if os.environ.get("BMFS_DEFAULT_VOLUME"):
-        return os.environ["BMFS_DEFAULT_VOLUME"]
+    if get_settings().default_volume:
+        return get_settings().default_volume
     if os.geteuid() == 0:
         return "/var/lib/bmfs/default"
     return os.path.expanduser("~/.local/share/bmfs/default")

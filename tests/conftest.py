@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -10,7 +11,16 @@ tune_malloc()  # in-process encodes run at a daemon's speed (bmfs.proc.tune_mall
 
 import pytest  # noqa: E402
 
+from bmfs.config import use_settings  # noqa: E402
 from mountutil import Mounted, mkfs  # noqa: E402
+
+
+@pytest.fixture
+def use_config():
+    """``use_config(field=value, ...)``: this process's config.Settings with those
+    changes until the test ends (objects made after it take them)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(use_settings(**changes))
 
 
 @pytest.fixture

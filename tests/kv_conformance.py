@@ -1,11 +1,12 @@
-"""The conformance suite every KV engine must pass (run by tests/test_t1_kv.py).
+"""The conformance suite every KV engine must pass (run by tests/test_t1_kv.py on
+memory and sqlite, and tests/test_t1_kv_etcd.py on a real etcd cluster).
 
-``open_engine`` is an async context manager factory yielding a fresh, empty KV.
+Each check takes a fresh, empty engine and may close it (closing twice is harmless).
 """
 import pytest
 import trio
 
-from bmfs.errors import Conflict, MetaDamaged
+from bmfs.errors import Conflict, MetaDamaged, NotFound, NotSupported
 from bmfs.kv import prefix_end
 from bmfs.kv.seal import seal
 
@@ -178,6 +179,155 @@ async def check_damaged_values_are_errors(kv):
     assert await kv.get(b"p/b") == b"new"
 
 
+async def _receive(changes, n: int) -> list:
+    """The next ``n`` changes of a watch (failing after a generous wait)."""
+    got = []
+    with trio.fail_after(20):
+        while len(got) < n:
+            got.append(await changes.receive())
+    return got
+
+
+async def check_watch(kv):
+    """A watch delivers the committed changes of its range from when it began, in
+    commit order, checked (values unsealed, deletions as None), nothing outside."""
+    assert kv.caps.watch
+    t = kv.begin()
+    t.put(b"w/before", b"0")  # before the watch: not delivered
+    await kv.commit(t)
+    async with kv.watch(b"w/") as changes, kv.watch(b"r/b", b"r/d") as ranged:
+        t = kv.begin()
+        t.put(b"w/a", b"1")
+        t.put(b"x", b"outside")
+        t.put(b"r/a", b"no")
+        t.put(b"r/b", b"yes")
+        await kv.commit(t)
+        t = kv.begin()
+        t.delete(b"w/a")
+        t.put(b"w/b", b"2")
+        t.put(b"r/c", b"yes too")
+        t.put(b"r/d", b"no")
+        await kv.commit(t)
+        got = await _receive(changes, 3)
+        assert got[0] == (b"w/a", b"1")
+        assert sorted(got[1:], key=lambda c: c[0]) == [(b"w/a", None), (b"w/b", b"2")]
+        assert await _receive(ranged, 2) == [(b"r/b", b"yes"), (b"r/c", b"yes too")]
+        t = kv.begin()  # a marker: nothing else came before it
+        t.put(b"w/z", b"end")
+        await kv.commit(t)
+        assert await _receive(changes, 1) == [(b"w/z", b"end")]
+
+
+async def check_leases(kv):
+    """Keys put with a lease vanish when it is revoked or expires; renewing an expired
+    one is NotFound. Engines without leases say so (NotSupported), never pretend."""
+    if not kv.caps.leases:
+        for call in (kv.grant_lease(5), kv.keepalive(1), kv.revoke_lease(1),
+                     kv.put_with_lease(b"n/1", b"up", 1)):
+            with pytest.raises(NotSupported):
+                await call
+        return
+    lease = await kv.grant_lease(5)
+    await kv.put_with_lease(b"n/1", b"up", lease)
+    assert await kv.keepalive(lease) == 5
+    assert await kv.get(b"n/1") == b"up"
+    await kv.revoke_lease(lease)
+    assert await kv.get(b"n/1") is None
+    with pytest.raises(NotFound):
+        await kv.keepalive(lease)
+    short = await kv.grant_lease(2)  # (etcd's shortest)
+    await kv.put_with_lease(b"n/2", b"up", short)
+    assert await kv.get(b"n/2") == b"up"
+    with trio.fail_after(30):  # not renewed: it expires, and its key goes with it
+        while await kv.get(b"n/2") is not None:
+            await trio.sleep(0.2)
+    with pytest.raises(NotFound):
+        await kv.keepalive(short)
+
+
+async def check_close(kv):
+    """After aclose every read and commit raises ClosedResourceError ("you closed
+    it", not "it broke"); closing again is harmless."""
+    t = kv.begin()
+    t.put(b"a", b"1")
+    await kv.commit(t)
+    pending = kv.begin()
+    pending.put(b"b", b"2")
+    await kv.aclose()
+    assert kv.closed
+    for call in (kv.get(b"a"), kv.range(b"", b""), kv.commit(pending),
+                 kv.transact(lambda txn: txn.get(b"a"))):
+        with pytest.raises(trio.ClosedResourceError):
+            await call
+    with pytest.raises(trio.ClosedResourceError):
+        kv.begin()
+    await kv.aclose()
+
+
+async def _cancelled_after(checkpoints: int, fn) -> bool:
+    """Run ``fn()`` and cancel it after ``checkpoints`` scheduling points of a task
+    beside it (0: before it starts its first wait): whether it finished first."""
+    done = False
+    async with trio.open_nursery() as nursery:
+        async def canceller():
+            for _ in range(checkpoints):
+                await trio.lowlevel.checkpoint()
+            nursery.cancel_scope.cancel()
+
+        async def run():
+            nonlocal done
+            await fn()
+            done = True
+            nursery.cancel_scope.cancel()
+        nursery.start_soon(run)
+        nursery.start_soon(canceller)
+    return done
+
+
+async def check_cancelled_commits_are_all_or_nothing(kv):
+    """A commit cancelled at any point (trio cancel) leaves all of its writes or none,
+    and the engine goes on working: later transactions read and commit as usual."""
+    for n in range(16):
+        prefix = b"c/%02d/" % n
+        t = kv.begin()
+        for i in range(5):
+            t.put(prefix + b"%d" % i, b"v%d" % n)
+
+        async def commit():
+            await kv.commit(t)
+        finished = await _cancelled_after(n, commit)
+        rows = await kv.range(prefix, prefix_end(prefix))
+        assert len(rows) in (0, 5), (n, rows)
+        if finished:
+            assert len(rows) == 5
+    await check_transact_counter(kv)
+
+
+async def check_maybe_committed_retry_applies_once(kv):
+    """A commit whose caller never learnt the outcome (cancelled while under way:
+    maybe committed) is retried through a request key the mutation writes: the retry
+    finds it if the first attempt landed, so each mutation applies exactly once."""
+    async def mutation(rid):
+        async def fn(txn):
+            if await txn.get(rid) is not None:
+                return False  # (the first attempt committed)
+            n = int(await txn.get(b"ctr") or b"0")
+            txn.put(b"ctr", b"%d" % (n + 1))
+            txn.put(rid, b"1")
+            return True
+        return await kv.transact(fn)
+    for n in range(16):
+        rid = b"req/%02d" % n
+
+        async def attempt():
+            await mutation(rid)
+        await _cancelled_after(n, attempt)
+        await mutation(rid)  # the retry: applies it, or finds it applied
+    assert await kv.get(b"ctr") == b"16"
+    assert len(await kv.range(b"req/", b"req0")) == 16
+
+
 CHECKS = [check_basic, check_txn_sees_own_writes, check_conflict, check_transact_counter,
           check_large_and_many, check_error_on_stale_reads_is_retried,
-          check_damaged_values_are_errors]
+          check_damaged_values_are_errors, check_watch, check_leases, check_close,
+          check_cancelled_commits_are_all_or_nothing, check_maybe_committed_retry_applies_once]

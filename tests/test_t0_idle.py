@@ -4,7 +4,8 @@ import time
 
 import trio
 
-from bmfs.fuse.idle import IdleSpin, idle_spin_setting, watch_handlers
+from bmfs.config import Settings
+from bmfs.fuse.idle import IdleSpin, watch_handlers
 
 WINDOW = 0.2  # long enough that a busy machine does not end a spin before it is seen
 
@@ -94,11 +95,11 @@ def test_turned_off():
 
 
 def test_setting_from_the_environment(caplog):
-    assert idle_spin_setting({}) == 0.0  # off unless asked for
-    assert idle_spin_setting({"BMFS_IDLE_SPIN_US": "0"}) == 0.0
-    assert idle_spin_setting({"BMFS_IDLE_SPIN_US": "120"}) == 0.00012
+    assert Settings.from_environ({}).idle_spin == 0.0  # off unless asked for
+    assert Settings.from_environ({"BMFS_IDLE_SPIN_US": "0"}).idle_spin == 0.0
+    assert Settings.from_environ({"BMFS_IDLE_SPIN_US": "120"}).idle_spin == 0.00012
     for bad in ("soon", "-1", "1e6", "nan"):
-        assert idle_spin_setting({"BMFS_IDLE_SPIN_US": bad}) == 0.0
+        assert Settings.from_environ({"BMFS_IDLE_SPIN_US": bad}).idle_spin == 0.0
     assert "BMFS_IDLE_SPIN_US='soon'" in caplog.text
 
 

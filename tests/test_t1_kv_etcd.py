@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from bmfs.cluster.etcd import EtcdCluster
-from bmfs.errors import Access, IOFailure, NotFound, Unavailable
+from bmfs.errors import Access, IOFailure, Unavailable
 from bmfs.kv import open_kv, prefix_end
 from bmfs.kv.etcd import REQ_PREFIX, EtcdKV, _b64
 from bmfs.kv.etcd_auth import parse_url
@@ -200,19 +200,6 @@ def test_dead_endpoint_is_skipped(etcd_cluster):
         run(etcd_cluster, lambda kv: kv.get(b"x"), url)
     finally:
         dead.close()
-
-
-def test_leases(etcd_cluster):
-    async def main(kv):
-        lease = await kv.grant_lease(5)
-        await kv.put_with_lease(b"n/1", b"up", lease)
-        assert await kv.keepalive(lease) == 5
-        assert await kv.get(b"n/1") == b"up"
-        await kv.revoke_lease(lease)
-        assert await kv.get(b"n/1") is None
-        with pytest.raises(NotFound):
-            await kv.keepalive(lease)
-    run(etcd_cluster, main)
 
 
 def test_watch_survives_failover(etcd_cluster):

@@ -12,6 +12,7 @@ import textwrap
 
 import trio
 
+from bmfs.config import SqliteLimits
 from bmfs.kv import open_kv
 from bmfs.kv import sqlite as engine
 from bmfs.kv.seal import seal
@@ -225,8 +226,8 @@ def test_reads_merge_pending_commits(tmp_path):
     trio.run(main)
 
 
-def test_batches_are_applied_as_commits_go_on(tmp_path, monkeypatch):
-    monkeypatch.setattr(engine, "APPLY_KEYS", 64)
+def test_batches_are_applied_as_commits_go_on(tmp_path, use_config):
+    use_config(sqlite=SqliteLimits(apply_keys=64))
 
     async def main():
         kv = await open_kv(f"sqlite:{tmp_path}/meta.db")
@@ -256,7 +257,7 @@ async def _commit_random(kv, rng, model, chosen, step, big):
     await kv.commit(t)
 
 
-def test_read_cache_follows_commits_and_batches(tmp_path, monkeypatch):
+def test_read_cache_follows_commits_and_batches(tmp_path, use_config):
     """Single-key reads come from a cache of what SQLite holds (read or applied
     lately, values up to CACHE_VALUE_MAX bytes, CACHE_BYTES in all): every get must
     still equal a model through puts, deletes, values growing past the limit,
@@ -264,10 +265,8 @@ def test_read_cache_follows_commits_and_batches(tmp_path, monkeypatch):
     and by bytes), and a reopen; a transaction's compare sees the same revisions as
     SQLite's rows; no large value is kept, and the bytes kept are counted right."""
     import random
-    monkeypatch.setattr(engine, "APPLY_KEYS", 16)
-    monkeypatch.setattr(engine, "CACHE_KEYS", 40)
-    monkeypatch.setattr(engine, "CACHE_VALUE_MAX", 600)
-    monkeypatch.setattr(engine, "CACHE_BYTES", 3000)
+    use_config(sqlite=SqliteLimits(apply_keys=16, cache_keys=40, cache_value_max=600,
+                                   cache_bytes=3000))
     rng = random.Random(5)
     keys = [b"c%03d" % i for i in range(120)]
     model: dict = {}
@@ -337,12 +336,12 @@ def test_metadata_operations_survive_kill9_of_the_mount(volume, tmp_path):
     assert_fsck_clean(volume)
 
 
-def test_a_failed_batch_does_not_fail_the_commit(tmp_path, monkeypatch):
+def test_a_failed_batch_does_not_fail_the_commit(tmp_path, use_config):
     """A batch that cannot be applied (disk full, I/O error) leaves the commit that
     triggered it done: reported as failed, the operation would be retried and run
     twice. The batch stays pending and the next sync applies it."""
     import sqlite3
-    monkeypatch.setattr(engine, "APPLY_KEYS", 4)
+    use_config(sqlite=SqliteLimits(apply_keys=4))
 
     async def main():
         kv = await open_kv(f"sqlite:{tmp_path}/meta.db")
@@ -364,18 +363,15 @@ def test_a_failed_batch_does_not_fail_the_commit(tmp_path, monkeypatch):
     trio.run(main)
 
 
-def test_complete_prefixes_follow_commits_and_answer_from_memory(tmp_path, monkeypatch):
+def test_complete_prefixes_follow_commits_and_answer_from_memory(tmp_path, use_config):
     """Prefixes declared empty (``known_empty``, as for a new inode's keys) are
     answered from memory afterwards, gets and whole-prefix ranges alike: they must
     equal a model through puts, deletes, large values (not cached: read from SQLite
     instead), batches applied, the cache and the prefix set trimmed, and a reopen;
     and a whole-prefix range of a new prefix runs no SQL at all."""
     import random
-    monkeypatch.setattr(engine, "APPLY_KEYS", 16)
-    monkeypatch.setattr(engine, "CACHE_KEYS", 60)
-    monkeypatch.setattr(engine, "COMPLETE_PREFIXES", 12)
-    monkeypatch.setattr(engine, "COMPLETE_KEYS", 30)
-    monkeypatch.setattr(engine, "COMPLETE_PREFIX_KEYS", 3)
+    use_config(sqlite=SqliteLimits(apply_keys=16, cache_keys=60, complete_prefixes=12,
+                                   complete_keys=30, complete_prefix_keys=3))
     rng = random.Random(11)
     model: dict = {}
     prefixes: list[bytes] = []

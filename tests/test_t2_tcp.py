@@ -15,6 +15,7 @@ import time
 import pytest
 import trio
 
+from bmfs.config import Settings, use_settings
 from bmfs.data import client as client_mod
 from bmfs.data.client import DataClient
 from bmfs.format import fragment as fr
@@ -561,7 +562,8 @@ def test_large_reply_waits_for_its_rest_then_small_ones_are_not_held_back():
 
 
 def test_spin_setting_from_the_environment(caplog):
-    from bmfs.transport.tcp import spin_setting
+    def spin_setting(environ):
+        return Settings.from_environ(environ).spin
     assert spin_setting({}) == 0.0005
     assert spin_setting({"BMFS_SPIN_US": "0"}) == 0.0
     assert spin_setting({"BMFS_SPIN_US": "250"}) == 0.00025
@@ -866,7 +868,6 @@ def test_reads_through_the_c_client_match_the_python_path(tmp_path, monkeypatch)
              (len(data) - 4096, 4096), (12345, 60_000)]
     taken = _spy_spun(monkeypatch)
     # (a loaded machine: no reply comes too late for the spin, or for a hedge)
-    monkeypatch.setattr(tcp, "SPIN", 2.0)
     monkeypatch.setattr(client_mod, "HEDGE_MIN", 10.0)
 
     async def body(nodes, client):
@@ -901,7 +902,8 @@ def test_reads_through_the_c_client_match_the_python_path(tmp_path, monkeypatch)
             f.write(b"\xde\xad")
         assert bytes(await client.read(21, st, 8192, 4096)) == data[8192:12288]
         assert client.stats["corrupt_fragments"] == 1, (client.stats, nodes.damage)
-    run_with_nodes(tmp_path, body)
+    with use_settings(spin=2.0):  # (a loaded machine: no reply comes too late)
+        run_with_nodes(tmp_path, body)
 
 
 @needs_client
@@ -912,7 +914,6 @@ def test_c_client_takes_several_replies_at_once(tmp_path, monkeypatch):
     plain replies; of two peers, the one that answers late is left to recv."""
     data = os.urandom(4 << 20)
     batches = _spy_spun(monkeypatch)
-    monkeypatch.setattr(tcp, "SPIN", 2.0)
     monkeypatch.setattr(client_mod, "HEDGE_MIN", 10.0)
 
     async def body(nodes, client):
@@ -931,7 +932,8 @@ def test_c_client_takes_several_replies_at_once(tmp_path, monkeypatch):
             assert bytes(await client.read(31, st, off, 4096)) == data[off:off + 4096]
         assert batches == [[protocol.CLIENT.REPLY] * 4] * 2
         assert client.stats["ranges_rebuilt"] == 2
-    run_with_nodes(tmp_path, body)
+    with use_settings(spin=2.0):  # (a loaded machine: no reply comes too late)
+        run_with_nodes(tmp_path, body)
 
     # two peers, one quick and one late
     async def main():

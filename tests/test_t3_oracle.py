@@ -14,9 +14,12 @@ import random
 import pytest
 import trio
 
+from bmfs.config import SqliteLimits
 from bmfs.errors import FsError
 from bmfs.kv import sqlite as engine
 from bmfs.meta import branches as br
+from bmfs.meta import merge
+from bmfs.meta import trees
 from vfsutil import open_fs, read_file, write_file
 
 ROOT = 1
@@ -44,13 +47,10 @@ def _truth_range(kv, start, end, limit):
 
 
 @pytest.fixture
-def checked(monkeypatch):
+def checked(monkeypatch, use_config):
     """Small limits, and every engine read compared with the truth."""
-    monkeypatch.setattr(engine, "APPLY_KEYS", 40)
-    monkeypatch.setattr(engine, "CACHE_KEYS", 200)
-    monkeypatch.setattr(engine, "CACHE_BYTES", 40000)
-    monkeypatch.setattr(engine, "COMPLETE_PREFIXES", 60)
-    monkeypatch.setattr(engine, "COMPLETE_KEYS", 300)
+    use_config(sqlite=SqliteLimits(apply_keys=40, cache_keys=200, cache_bytes=40000,
+                                   complete_prefixes=60, complete_keys=300))
     get, rng_, keep = engine.SqliteKV._get, engine.SqliteKV._range, engine.SqliteKV._keep
     seen = {"complete": 0}
 
@@ -125,10 +125,10 @@ async def _step(fs, rng, views, step, counter):
     elif op < 0.9 and len(views) > 1:
         source = fs.views.by_id[rng.choice(views[1:])].name
         strategy = rng.choice(["theirs", "ours"])
-        await br.op_merge(fs.kv, source, "main", strategy=strategy)  # refused: FsError
+        await merge.op_merge(fs.kv, source, "main", strategy=strategy)  # refused: FsError
         await fs.views.refresh()
     elif op < 0.93:
-        snaps = await br.list_names(fs.kv, "snapshot")
+        snaps = await trees.list_names(fs.kv, "snapshot")
         if snaps:
             await br.op_snapshot_delete(fs.kv, rng.choice(snaps))
             await fs.views.refresh()

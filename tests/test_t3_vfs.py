@@ -1,4 +1,11 @@
-"""Level 3: POSIX rules and branches in the vfs, without FUSE; each test ends in fsck."""
+"""Level 3: POSIX rules and branches in the vfs, without FUSE; each test ends in fsck.
+
+Every test runs on each metadata engine (``engine``): sqlite, memory and a real
+3-member etcd cluster (tests/etcd_cluster.py; skipped where etcd is not installed).
+On etcd, where every metadata operation is a round trip to the cluster, a
+representative subset runs (ETCD_TESTS); SQLITE_ONLY make and reopen a volume of
+their own.
+"""
 import errno
 import os
 import stat
@@ -8,7 +15,7 @@ import trio
 
 from bmfs.errors import FsError
 from bmfs.meta import branches as br
-from bmfs.meta import keys
+from bmfs.meta import diff, keys, layer_gc, merge, trees
 from bmfs.meta import namespace as ns
 from bmfs.meta.records import Inode
 from bmfs.store.file import FileStore
@@ -16,9 +23,44 @@ from bmfs.vfs.fs import FileSystem
 from bmfs.volume.fsck import fsck
 from bmfs.vfs.views import CTL_BRANCHES, CTL_VIEW, VIEW_SHIFT
 from bmfs.volume.volume import Volume, mkfs
-from vfsutil import open_fs, read_file, write_file
+from etcd_cluster import etcd_cluster  # noqa: F401  (the fixture)
+from vfsutil import META, open_fs, read_file, write_file
 
 ROOT = 1
+ETCD_TESTS = {
+    "test_create_read_overwrite_truncate", "test_names_dirs_links", "test_rename_rules",
+    "test_unlink_open_file_keeps_data", "test_xattrs", "test_branch_isolation_and_gc",
+    "test_merge_and_diff", "test_clean_three_way_merge_and_reset",
+    "test_deleting_a_snapshot_gives_back_what_only_it_held",
+    "test_prune_keeps_an_open_unlinked_file", "test_listings_have_dot_and_dotdot",
+    "test_fsck_finds_data_past_a_files_size",
+}
+SQLITE_ONLY = {"test_files_a_crashed_mount_held_unlinked_are_freed_together"}
+
+
+def pytest_generate_tests(metafunc):
+    name = metafunc.function.__name__
+    engines = ["sqlite"] if name in SQLITE_ONLY else \
+        ["sqlite", "memory"] + (["etcd"] if name in ETCD_TESTS else [])
+    metafunc.parametrize("engine", engines, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def engine(request, tmp_path):
+    """The metadata engine the test's volumes are made on (vfsutil.META)."""
+    if request.param == "memory":
+        url = f"memory:{tmp_path}"
+    elif request.param == "etcd":
+        cluster = request.getfixturevalue("etcd_cluster")
+        cluster.wipe()
+        url = cluster.url
+    else:
+        url = None
+    token = META.set(url)
+    try:
+        yield request.param
+    finally:
+        META.reset(token)
 
 
 def run(fn, tmp_path, **kw):
@@ -291,7 +333,7 @@ def test_merge_and_diff(tmp_path):
         await fs.files.write(fh, 0, b"from x")
         await fs.files.release(fh)
         await write_file(fs, xr, b"new", b"n")
-        d = await br.op_diff(fs.kv, "main", "x")
+        d = await diff.op_diff(fs.kv, "main", "x")
         assert d == {"added": ["/new"], "removed": [], "changed": ["/a"]}
         # main changes b and a: a conflicts, new and b merge cleanly
         fh = await fs.open((await fs.lookup(ROOT, b"b")).ino, os.O_RDWR | os.O_TRUNC)
@@ -300,12 +342,12 @@ def test_merge_and_diff(tmp_path):
         fh = await fs.open((await fs.lookup(ROOT, b"a")).ino, os.O_RDWR | os.O_TRUNC)
         await fs.files.write(fh, 0, b"main a")
         await fs.files.release(fh)
-        with pytest.raises(br.MergeConflict) as e:
-            await br.op_merge(fs.kv, "x", "main")
+        with pytest.raises(merge.MergeConflict) as e:
+            await merge.op_merge(fs.kv, "x", "main")
         assert e.value.paths == ["/a"]
         with raises(errno.ENOENT):
             await fs.lookup(ROOT, b"new")  # nothing changed
-        r = await br.op_merge(fs.kv, "x", "main", strategy="theirs")
+        r = await merge.op_merge(fs.kv, "x", "main", strategy="theirs")
         assert r["result"] == "merged"
         assert await read_file(fs, (await fs.lookup(ROOT, b"a")).ino) == b"from x"
         assert await read_file(fs, (await fs.lookup(ROOT, b"b")).ino) == b"main b"
@@ -345,7 +387,7 @@ def test_clean_three_way_merge_and_reset(tmp_path):
         await fs.files.write(fh, 0, b"main changed b")
         await fs.files.release(fh)
         await write_file(fs, d.ino, b"from-main", b"2")
-        r = await br.op_merge(fs.kv, "x", "main")
+        r = await merge.op_merge(fs.kv, "x", "main")
         assert r["result"] == "merged" and r.get("conflicts_resolved") == 0
         assert await read_file(fs, a) == b"x changed a"
         assert await read_file(fs, (await fs.lookup(ROOT, b"b")).ino) == b"main changed b"
@@ -422,7 +464,7 @@ def test_merge_counts_links_from_the_merged_entries(tmp_path):
             await fs.rmdir(xd, n)
             await fs.rmdir(d.ino, n)
         await write_file(fs, d.ino, b"new", b"")
-        r = await br.op_merge(fs.kv, "x", "main")
+        r = await merge.op_merge(fs.kv, "x", "main")
         assert r["result"] == "merged" and r["conflicts_resolved"] == 0
         await fs.views.refresh()
         assert await _names(fs, ROOT) == [b"d", b"f", b"g", b"h"]
@@ -441,7 +483,7 @@ def test_merge_removes_a_file_both_sides_unlinked(tmp_path):
         xr = await _branch(fs, "x")
         await fs.unlink(xr, b"f")
         await fs.unlink(ROOT, b"g")
-        r = await br.op_merge(fs.kv, "x", "main")
+        r = await merge.op_merge(fs.kv, "x", "main")
         assert r["result"] == "merged"
         await fs.views.refresh()
         assert await _names(fs, ROOT) == []
@@ -462,12 +504,12 @@ def test_merge_additions_keep_what_the_other_side_deleted(tmp_path):
         await fs.unlink(xr, b"f")
         await write_file(fs, d.ino, b"new", b"n")
         await fs.link(f, d.ino, b"g")
-        with pytest.raises(br.MergeConflict) as e:
-            await br.op_merge(fs.kv, "x", "main")
+        with pytest.raises(merge.MergeConflict) as e:
+            await merge.op_merge(fs.kv, "x", "main")
         assert "/d" in e.value.paths
         await br.op_snapshot_create(fs.kv, "before")
         for strategy in ("theirs", "ours"):
-            r = await br.op_merge(fs.kv, "x", "main", strategy=strategy)
+            r = await merge.op_merge(fs.kv, "x", "main", strategy=strategy)
             assert r["result"] == "merged"
             await fs.views.refresh()
             assert await _names(fs, ROOT) == [b"d"]
@@ -490,10 +532,10 @@ def test_merge_directory_moved_apart_on_both_sides(tmp_path):
         xr = await _branch(fs, "x")
         await fs.rename(xr, b"a", (await fs.lookup(xr, b"p")).ino, b"a")
         await fs.rename(ROOT, b"a", (await fs.lookup(ROOT, b"q")).ino, b"a")
-        with pytest.raises(br.MergeConflict) as e:
-            await br.op_merge(fs.kv, "x", "main")
+        with pytest.raises(merge.MergeConflict) as e:
+            await merge.op_merge(fs.kv, "x", "main")
         assert e.value.paths == ["/p/a", "/q/a"]
-        await br.op_merge(fs.kv, "x", "main", strategy="theirs")
+        await merge.op_merge(fs.kv, "x", "main", strategy="theirs")
         await fs.views.refresh()
         p, q = (await fs.lookup(ROOT, b"p")).ino, (await fs.lookup(ROOT, b"q")).ino
         assert (await _names(fs, p), await _names(fs, q)) == ([b"a"], [])
@@ -502,9 +544,9 @@ def test_merge_directory_moved_apart_on_both_sides(tmp_path):
         xa = (await fs.lookup((await fs.lookup(xr, b"p")).ino, b"a")).ino
         await fs.rename(xr, b"b", xa, b"b")
         await fs.rename(p, b"a", (await fs.lookup(ROOT, b"b")).ino, b"a")
-        with pytest.raises(br.MergeConflict):
-            await br.op_merge(fs.kv, "x", "main")
-        await br.op_merge(fs.kv, "x", "main", strategy="ours")
+        with pytest.raises(merge.MergeConflict):
+            await merge.op_merge(fs.kv, "x", "main")
+        await merge.op_merge(fs.kv, "x", "main", strategy="ours")
         await fs.views.refresh()
         b = (await fs.lookup(ROOT, b"b")).ino
         assert await _names(fs, ROOT) == [b"b", b"p", b"q"] and await _names(fs, b) == [b"a"]
@@ -544,9 +586,9 @@ def test_random_merges_leave_trees_fsck_accepts(tmp_path):
             for _ in range(rng.randrange(4, 12)):
                 await step(fs, rng.choice([ROOT, xr]))
             try:
-                await br.op_merge(fs.kv, "x%d" % r, "main",
+                await merge.op_merge(fs.kv, "x%d" % r, "main",
                                   strategy=rng.choice([None, "theirs", "ours"]))
-            except br.MergeConflict:
+            except merge.MergeConflict:
                 pass
             await fs.views.refresh()
     run(t, tmp_path)
@@ -629,19 +671,19 @@ def test_collecting_deleted_trees_later_keeps_the_mark_of_a_newer_delete(tmp_pat
         mark = await fs.kv.get(keys.COLLECT_LAYERS)
         assert mark is not None
 
-        real = br.collect_layers
+        real = layer_gc.collect_layers
 
         async def another_pass_and_a_delete_meanwhile(kv):
-            br.collect_layers = real
+            layer_gc.collect_layers = real
             assert await br.collect_pending(kv) == 0  # another mount's pass ends first
             assert await kv.get(keys.COLLECT_LAYERS) is None
             await br.op_branch_delete(kv, "b", collect=False)  # then a delete marks again
             return await real(kv)
-        br.collect_layers = another_pass_and_a_delete_meanwhile
+        layer_gc.collect_layers = another_pass_and_a_delete_meanwhile
         try:
             assert await br.collect_pending(fs.kv) == 1  # the branch's own layer
         finally:
-            br.collect_layers = real
+            layer_gc.collect_layers = real
         assert await fs.kv.get(keys.COLLECT_LAYERS) not in (None, mark)
         problems, notes = await fsck(fs.volume)  # still to collect: not a problem
         assert problems == [] and any("still to collect" in n for n in notes), notes
@@ -659,11 +701,11 @@ def test_collecting_deleted_trees_later_keeps_the_mark_of_a_newer_delete(tmp_pat
 
 
 def test_collection_in_pages_of_a_few_keys(tmp_path, monkeypatch):
-    """The collection reads the layered keys a page at a time (branches.GC_PAGE, and
+    """The collection reads the layered keys a page at a time (layer_gc.GC_PAGE, and
     yields between pages): with pages of 3 keys, a key's versions split over pages, it
     frees the same as in one page: the deleted branch's layer and what the deleted
     snapshot alone held."""
-    monkeypatch.setattr(br, "GC_PAGE", 3)
+    monkeypatch.setattr(layer_gc, "GC_PAGE", 3)
 
     async def t(fs):
         for i in range(5):
@@ -750,18 +792,18 @@ def test_trees_made_during_a_collection_are_not_collected(tmp_path):
         await write_file(fs, ROOT, b"f", b"kept")
         await br.op_branch_create(fs.kv, "old")
         await br.op_branch_delete(fs.kv, "old", collect=False)
-        real = br.live_layers
+        real = trees.live_layers
 
         async def trees_made_meanwhile(kv):
             live = await real(kv)
             await br.op_snapshot_create(kv, "s")
             await br.op_branch_create(kv, "b", "s")
             return live
-        br.live_layers = trees_made_meanwhile
+        trees.live_layers = trees_made_meanwhile
         try:
             assert await br.collect_pending(fs.kv) == 1  # the deleted branch's layer
         finally:
-            br.live_layers = real
+            trees.live_layers = real
         await fs.views.refresh()
         assert await read_file(fs, (await fs.lookup(ROOT, b"f")).ino) == b"kept"
         problems, _ = await fsck(fs.volume)
@@ -1006,7 +1048,7 @@ def test_merge_takes_the_winning_file_whole(tmp_path, strategy):
         await _rewrite(fs, xs, theirs[b"g"])
         await _rewrite(fs, xb, theirs[b"big"])
         await fs.setxattr(xs, b"user.other", b"theirs")
-        r = await br.op_merge(fs.kv, "c2", "main", strategy=strategy)
+        r = await merge.op_merge(fs.kv, "c2", "main", strategy=strategy)
         assert r["result"] == "merged" and r["conflicts_resolved"] >= 2
         await fs.views.refresh()
         want = mine if strategy == "ours" else theirs
@@ -1020,7 +1062,7 @@ def test_merge_takes_the_winning_file_whole(tmp_path, strategy):
         assert await fs.getxattr(small, b"user.bm.type") == \
             (b"ours" if strategy == "ours" else b"base")
         if strategy == "theirs":
-            assert await br.op_diff(fs.kv, "c2", "main") == \
+            assert await diff.op_diff(fs.kv, "c2", "main") == \
                 {"added": [], "removed": [], "changed": []}
     run(t, tmp_path)
 

@@ -1,7 +1,13 @@
-"""The vfs without FUSE: a FileSystem over a fresh volume, ending every test with fsck."""
+"""The vfs without FUSE: a FileSystem over a fresh volume, ending every test with fsck.
+
+``META`` says which metadata engine open_fs makes its volumes on: None (the default,
+``sqlite:`` in the volume directory) or a URL (``memory:NAME``, ``etcd://...``); a
+test suite run on every engine sets it per test (tests/test_t3_vfs.py).
+"""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 
 from bmfs.vfs.fs import FileSystem
@@ -9,12 +15,13 @@ from bmfs.volume.fsck import fsck
 from bmfs.volume.volume import Volume, mkfs
 
 O_RDWR = os.O_RDWR
+META: contextvars.ContextVar[str | None] = contextvars.ContextVar("META", default=None)
 
 
 @contextlib.asynccontextmanager
 async def open_fs(path, check=True, **mkfs_args):
     if not os.path.exists(os.path.join(path, "volume.json")):
-        await mkfs(str(path), **mkfs_args)
+        await mkfs(str(path), **{"meta": META.get(), **mkfs_args})
     vol = await Volume.open(str(path))
     fs = await FileSystem.create(vol)
     try:

@@ -306,8 +306,9 @@ def serve(fs, mountpoint: str, name: str) -> int:
     """Mount ``fs`` with bmfs's mount options and serve it until unmounted, staying
     awake between back-to-back requests as a bmfs mount does (BMFS_IDLE_SPIN_US:
     bmfs/fuse/idle.py), so that neither gains on the other by it."""
-    from bmfs.fuse.idle import IdleSpin, idle_spin_setting, watch_handlers
-    idle = IdleSpin(idle_spin_setting())
+    from bmfs.config import get_settings
+    from bmfs.fuse.idle import IdleSpin, watch_handlers
+    idle = IdleSpin(get_settings().idle_spin)
     watch_handlers(fs, idle)
     options = set(pyfuse3.default_options)
     options |= {f"fsname={name}", f"subtype={name}", "default_permissions", "allow_other"}

@@ -1,7 +1,7 @@
 """bmfs mkfs VOLUME [--ec K+M] [--device PATH ... | --on-nodes] [--meta URL] [--layout pool|files]"""
 import os
 
-from ..config import DEFAULT_LAYOUT, LAYOUTS, parse_ec
+from ..config import LAYOUTS, get_settings, parse_ec
 from .common import run_trio
 from .main import UserError
 
@@ -19,7 +19,7 @@ def add_parser(sub):
     p.add_argument("--fragment-size", type=int, default=1 << 20, help=argparse_help())
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="how a device directory keeps fragments: pool files (pool) or a "
-                        "file per fragment (files); default: %s" % DEFAULT_LAYOUT)
+                        "file per fragment (files); default: %s" % get_settings().layout)
     p.add_argument("--admin-group", metavar="GROUP",
                    help="a group whose members may manage branches and snapshots "
                         "(default: root alone; bmfs admin-group changes it)")

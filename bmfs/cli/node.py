@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from ..config import LAYOUTS
+from ..config import LAYOUTS, get_settings
 from .main import UserError
 from .common import metrics_option, run_trio, start_metrics
 from .repair import limit_option, run_op
@@ -40,7 +40,7 @@ def add_parser(sub):
     s.add_argument("--tls-ca", metavar="PEM", help="the cluster CA: clients must present "
                    "a certificate it signed")
     metrics_option(s)
-    s.add_argument("--fault", default=os.environ.get("BMFS_NODE_FAULT"),
+    s.add_argument("--fault", default=get_settings().node_fault,
                    help="test fault control: delay=SECONDS slows every read reply")
     s.set_defaults(func=run_serve)
     f = ns.add_parser("format", help="format new or empty device directories for a "

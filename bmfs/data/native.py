@@ -10,12 +10,13 @@ loads the others the same way (bmfs.node._native: a node's small READs).
 from __future__ import annotations
 
 import importlib
-import os
+
+from ..config import get_settings
 
 
 def optional(module: str):
     """The C helper ``module``, or None if it was not built or BMFS_NATIVE=0 is set."""
-    if os.environ.get("BMFS_NATIVE", "1") == "0":
+    if not get_settings().native:
         return None
     try:
         return importlib.import_module(module)

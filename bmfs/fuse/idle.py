@@ -14,7 +14,7 @@ up at once. A lone request's wait for a node's reply is the same idea
 The cost is CPU: at most ``window`` of spinning after each answer, and only while
 requests keep coming faster than that (a program that pauses longer turns it off
 by its first pause). It is off unless BMFS_IDLE_SPIN_US is set in the mount's
-environment (microseconds; 300 is a good start): on this 2-core VM it made one
+environment (microseconds; 300 is a good start; config.Settings.idle_spin): on this 2-core VM it made one
 program's back-to-back small reads 5-15% faster, but the CPU it burns is taken from
 the program itself, the storage nodes and the mount's own threads, and in the
 benchmark's runs other workloads (creates, unlinks, 4 concurrent readers) came
@@ -23,17 +23,8 @@ out 5-9% slower with it (rmdirs up to 18% in a single run) (docs/benchmarks.md).
 from __future__ import annotations
 
 import math
-import os
 
 import trio
-
-from ..config import microseconds_setting
-
-
-def idle_spin_setting(environ=os.environ) -> float:
-    """Seconds the mount stays awake after an answer (IdleSpin): BMFS_IDLE_SPIN_US,
-    else 0 (off)."""
-    return microseconds_setting("BMFS_IDLE_SPIN_US", 0, environ)
 
 
 class IdleSpin:

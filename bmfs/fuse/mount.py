@@ -26,13 +26,12 @@ import pyfuse3
 import trio
 
 from .. import metrics
-from ..config import MountOptions
+from ..config import MountOptions, get_settings
 from ..errors import FsError, VolumeError
 from ..vfs.fs import ATIME_MODES, FileSystem
 from ..vfs.watch import Watcher
 from ..volume import upkeep
 from ..volume.volume import Volume
-from .idle import idle_spin_setting
 from .ops import Operations
 
 log = logging.getLogger(__name__)
@@ -52,7 +51,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
         await upkeep.begin(volume)  # single owner: sweep after a crash
         fs = await FileSystem.create(volume, opts.branch)
         volume.kv.enable_write_behind()  # etcd: commit behind (docs/etcd.md)
-        ops = Operations(fs, opts.attr_timeout, idle_spin_setting())
+        ops = Operations(fs, opts.attr_timeout, get_settings().idle_spin)
         if not fs.views.get(0).writable:  # a snapshot at the root: the kernel says EROFS
             opts = dataclasses.replace(opts, read_only=True)
         fs.read_only, fs.atime = opts.read_only, opts.atime

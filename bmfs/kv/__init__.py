@@ -343,6 +343,7 @@ class KV(abc.ABC):
         only if every key read still has the revision seen; otherwise it was a
         conflict, and ``fn`` runs again.
         """
+        self._check_open()
         for attempt in range(attempts):
             txn = self.begin()
             try:

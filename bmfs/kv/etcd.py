@@ -386,6 +386,7 @@ class EtcdKV(KV):
 
     async def range(self, start, end, limit=0):
         """Outside a transaction: always from etcd (with this client's queued writes)."""
+        self._check_open()
         return [(k, self.unseal(k, v))
                 for k, v, _ in await self._range(start, end, limit, fresh=True)]
 
@@ -474,9 +475,11 @@ class EtcdKV(KV):
         self.wb.enabled = True
 
     async def transact(self, fn, attempts: int = 64):
+        self._check_open()
         return await self.wb.transact(fn, attempts, super().transact)
 
     async def commit(self, txn) -> None:
+        self._check_open()
         if txn.writes:
             await self.wb.commit(txn)
             self.keys_written += len(txn.writes)

@@ -7,9 +7,9 @@ slice lists, inline data), so without compaction the database grows until it rea
 etcd's backend quota (``--quota-backend-bytes``, 2 GiB by default); etcd then raises
 its NOSPACE alarm and refuses every write, and the volume turns read-only.
 
-What: every :data:`INTERVAL` seconds each mount notes etcd's current revision; the
+What: every ``interval`` seconds each mount notes etcd's current revision; the
 mount that leads the upkeep (the oldest live one, volume/session.py ``leads_repair``)
-compacts the history up to the revision it noted :data:`WINDOW` seconds ago. The
+compacts the history up to the revision it noted ``window`` seconds ago. The
 window is what a resuming watch needs: a watch resumes after failing over to
 another member within the engine's timeout (10 s) of its last change, far inside the
 window. A watch that still finds its revision compacted (a mount cut off for longer,
@@ -19,7 +19,7 @@ Nothing is skipped silently.
 
 Compaction frees pages inside a member's database file; later writes reuse them, so
 the file stops growing, but it does not shrink. When a member's file is mostly free
-(in use below half of it, and at least :data:`DEFRAG_MIN` bytes free), the leading
+(in use below half of it, and at least ``defrag_min`` bytes free), the leading
 mount defragments it, one member a round, followers first: a member blocks its
 requests while it rewrites its file, which takes about as long as copying what is in
 use, so the engine fails over meanwhile. If etcd's NOSPACE alarm is raised, a mount
@@ -36,17 +36,14 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 from typing import Awaitable, Callable, Protocol
 
 import trio
 
+from ..config import get_settings
 from ..errors import FsError
 
 log = logging.getLogger(__name__)
-INTERVAL = float(os.environ.get("BMFS_ETCD_COMPACT_INTERVAL", 60))
-WINDOW = float(os.environ.get("BMFS_ETCD_COMPACT_WINDOW", 300))
-DEFRAG_MIN = int(os.environ.get("BMFS_ETCD_DEFRAG_MIN", 256 << 20))
 
 
 class Maintained(Protocol):
@@ -63,12 +60,15 @@ class Maintained(Protocol):
 class Compactor:
     """The compaction state of one engine: revisions noted, and what was done."""
 
-    def __init__(self, kv: Maintained, interval: float = INTERVAL, window: float = WINDOW,
-                 defrag_min: int = DEFRAG_MIN):
+    def __init__(self, kv: Maintained, interval: float | None = None,
+                 window: float | None = None, defrag_min: int | None = None):
+        """Each of ``interval``, ``window`` and ``defrag_min`` defaults to this
+        process's setting (config.Settings.etcd_*)."""
+        s = get_settings()
         self.kv = kv
-        self.interval = interval
-        self.window = window
-        self.defrag_min = defrag_min
+        self.interval = s.etcd_compact_interval if interval is None else interval
+        self.window = s.etcd_compact_window if window is None else window
+        self.defrag_min = s.etcd_defrag_min if defrag_min is None else defrag_min
         self.noted: collections.deque[tuple[float, int]] = collections.deque()
         self.compacted = 0      # the revision compacted up to, by this engine
         self.compactions = 0    # statistics

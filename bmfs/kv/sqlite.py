@@ -2,20 +2,21 @@
 
 Caveat first: a commit is not an SQLite transaction. It is appended to a redo log
 (``PATH-redo``, one write(2) of a checksummed record) and kept in memory; batches of
-commits are applied to SQLite later in one transaction each (``APPLY_KEYS`` keys, or
-at sync/close). An SQLite commit writes every B-tree page it touched to the WAL (a
-small-file unlink touches ~8 pages: ~16 write calls and 32 KiB); the log record is
+commits are applied to SQLite later in one transaction each (``apply_keys`` keys, or
+at sync/close; the limits named here are config.SqliteLimits). An SQLite commit
+writes every B-tree page it touched to the WAL (a small-file unlink touches ~8
+pages: ~16 write calls and 32 KiB); the log record is
 one call of a few hundred bytes, and a batch shares the pages. Reads see the pending
 commits first, so nothing above can tell. Single-key reads then look in a cache of
-what SQLite holds for keys read or applied lately (``CACHE_KEYS``; absent keys too;
-values up to ``CACHE_VALUE_MAX`` bytes, ``CACHE_BYTES`` of them in all: a small
+what SQLite holds for keys read or applied lately (``cache_keys``; absent keys too;
+values up to ``cache_value_max`` bytes, ``cache_bytes`` of them in all: a small
 file's inline data is one), exact because this process is the
 database's only writer: an unlink reads ~6 keys, most of them just written or read
 by the operations before it. Range reads of a prefix the layer above said was empty
 when it allocated an inode number (``known_empty``: its chunks, xattrs, ...) are
 answered from memory too: the engine keeps the keys written under such a prefix
-since (``COMPLETE_PREFIXES`` prefixes, ``COMPLETE_KEYS`` keys in all, a prefix with
-over ``COMPLETE_PREFIX_KEYS`` forgotten), so unlinking a file made by this mount
+since (``complete_prefixes`` prefixes, ``complete_keys`` keys in all, a prefix with
+over ``complete_prefix_keys`` forgotten), so unlinking a file made by this mount
 scans neither its chunks nor its xattrs in SQLite.
 
 Durability, as before: a commit survives a crash of the process as soon as it
@@ -53,18 +54,11 @@ import struct
 
 from crc32c import crc32c
 
+from ..config import get_settings
 from ..errors import Conflict, MetaDamaged, VolumeError
 from . import KV, Capabilities, merge_rows, prefix_end
 
 log = logging.getLogger(__name__)
-APPLY_KEYS = 4096  # pending keys that make the next commit apply the batch to SQLite
-CACHE_KEYS = 65536  # values (and absences) of keys read or written lately, kept in memory
-CACHE_VALUE_MAX = 20 << 10  # larger values are not kept (inline stripes: up to 16 KiB)
-CACHE_BYTES = 64 << 20      # values kept, in all (the oldest quarter goes beyond)
-COMPLETE_PREFIXES = 100_000  # prefixes whose every key is known, and keys listed under
-COMPLETE_KEYS = 200_000      # them in all: past either, the oldest prefixes go (to half)
-COMPLETE_PREFIX_KEYS = 4096  # a prefix with more keys is forgotten (a big directory)
-LOG_MAX = 64 << 20  # a redo log this large is cut back (apply, fsync the WAL) at once
 _REC = struct.Struct("<II")  # record: body length, crc32c of the body; body follows
 _BODY = struct.Struct("<QI")  # body: revision, number of entries; entries follow
 _ENTRY = struct.Struct("<II")  # entry: key length, value length + 1 (0: a delete)
@@ -215,6 +209,7 @@ class SqliteKV(KV):
         self._db = db
         self._lockfd = lockfd
         self._path = path
+        self.limits = get_settings().sqlite  # (config.SqliteLimits)
         self._rev = db.execute("SELECT coalesce(max(rev), 0) FROM kv").fetchone()[0]
         self.commits = 0
         # committed, not yet applied to SQLite: key -> (value or None, revision), and
@@ -364,9 +359,9 @@ class SqliteKV(KV):
         return got
 
     def _keep(self, values: dict) -> None:
-        """Remember values SQLite now holds (not those over CACHE_VALUE_MAX bytes, whose
-        keys are forgotten instead); past CACHE_KEYS keys or CACHE_BYTES of values, the
-        oldest go, down to three quarters of both."""
+        """Remember values SQLite now holds (not those over limits.cache_value_max bytes,
+        whose keys are forgotten instead); past limits.cache_keys keys or
+        limits.cache_bytes of values, the oldest go, down to three quarters of both."""
         cache = self._cache
         for k, got in values.items():
             old = cache.pop(k, None)  # (kept again at the end: the newest)
@@ -374,11 +369,12 @@ class SqliteKV(KV):
                 self._cache_bytes -= len(old[0])
             if got[0] is None:
                 cache[k] = got
-            elif len(got[0]) <= CACHE_VALUE_MAX:
+            elif len(got[0]) <= self.limits.cache_value_max:
                 cache[k] = got
                 self._cache_bytes += len(got[0])
-        if len(cache) > CACHE_KEYS or self._cache_bytes > CACHE_BYTES:
-            keys_left, bytes_left = CACHE_KEYS * 3 // 4, CACHE_BYTES * 3 // 4
+        if len(cache) > self.limits.cache_keys or self._cache_bytes > self.limits.cache_bytes:
+            limits = self.limits
+            keys_left, bytes_left = limits.cache_keys * 3 // 4, limits.cache_bytes * 3 // 4
             for k in list(cache):
                 if len(cache) <= keys_left and self._cache_bytes <= bytes_left:
                     break
@@ -391,8 +387,8 @@ class SqliteKV(KV):
             self._complete_count -= len(self._complete.pop(p, ()))
             self._complete[p] = []
             self._complete_lengths.add(len(p))
-        if len(self._complete) > COMPLETE_PREFIXES:
-            self._forget_complete(len(self._complete) - COMPLETE_PREFIXES // 2)
+        if len(self._complete) > self.limits.complete_prefixes:
+            self._forget_complete(len(self._complete) - self.limits.complete_prefixes // 2)
 
     def _forget_complete(self, n: int) -> None:
         """Forget the ``n`` oldest complete prefixes."""
@@ -410,7 +406,7 @@ class SqliteKV(KV):
 
     def _note_complete(self, key: bytes, present: bool) -> None:
         """``key`` now exists (or not): update the list of every complete prefix it
-        lies under; one that grows past COMPLETE_PREFIX_KEYS is forgotten."""
+        lies under; one that grows past limits.complete_prefix_keys is forgotten."""
         for n in self._complete_lengths:
             keys = self._complete.get(key[:n])
             if keys is None:
@@ -423,10 +419,10 @@ class SqliteKV(KV):
             elif present and not there:
                 keys.insert(i, key)
                 self._complete_count += 1
-                if len(keys) > COMPLETE_PREFIX_KEYS:
+                if len(keys) > self.limits.complete_prefix_keys:
                     del self._complete[key[:n]]
                     self._complete_count -= len(keys)
-        if self._complete_count > COMPLETE_KEYS:
+        if self._complete_count > self.limits.complete_keys:
             self._forget_complete(len(self._complete) // 2)
 
     def _from_complete(self, start, end, limit):
@@ -503,13 +499,13 @@ class SqliteKV(KV):
             self._remember(k, v, self._rev)
         self.commits += 1
         self._published(writes)
-        if len(self._pending) >= APPLY_KEYS:
+        if len(self._pending) >= self.limits.apply_keys:
             # The commit is done: a failure to apply the batch must not be reported as
             # its failure (a retry would run the operation twice). It stays pending,
             # in memory and in the log, and the next batch or sync() tries again.
             try:
                 self._apply()
-                if self._log_size >= LOG_MAX:
+                if self._log_size >= self.limits.log_max:
                     self._cut_log()
             except (sqlite3.Error, OSError) as e:
                 log.warning("applying metadata commits to SQLite failed (will retry): %s", e)

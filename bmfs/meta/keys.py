@@ -39,9 +39,9 @@ o/<layer:08x>/<ino:016x>               inode whose last name went while it may b
                                        record whose layer was frozen since (a
                                        snapshot or branch taken) stays when the
                                        mounted tree frees its copy: it goes with
-                                       the layer (branches.collect_layers), or with
+                                       the layer (layer_gc.collect_layers), or with
                                        the inode's version once no tree can see it
-                                       (branches.prune_shadowed)
+                                       (layer_gc.prune_shadowed)
 m/<mount id>                           JSON record of a running mount (host, pid,
                                        mount point), attached to an etcd lease: it
                                        vanishes within seconds of the mount's death

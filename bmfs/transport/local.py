@@ -24,12 +24,12 @@ Two kinds of device are read otherwise:
 from __future__ import annotations
 
 import math
-import os
 import select
 import time
 
 import trio
 
+from ..config import get_settings
 from . import DeviceError, read_side_by_side, run_in_thread
 
 INLINE_MAX = 64 << 10   # reads up to this size may be done on the event loop
@@ -37,7 +37,6 @@ SLOW_INLINE = 0.00015   # a device whose inline reads average more than this is 
 STALL = 0.02            # a device one of whose reads took longer than this ...
 SLOW_FOR = 10.0         # ... is read from threads for this long, doubled each time it
 SLOW_FOR_MAX = 3600.0   # happens again (a disk that keeps stalling), up to this
-INLINE = os.environ.get("BMFS_INLINE_READS", "1") != "0"
 
 
 class LocalTransport:
@@ -52,6 +51,7 @@ class LocalTransport:
         self._threaded = 0                    # reads under way in worker threads
         self._waiting = None                  # poll() of the FUSE device, if watched
         self.stats = {"inline_reads": 0, "thread_reads": 0}
+        self.inline_reads = get_settings().inline_reads  # False: every read in a thread
 
     def add_device(self, dev: int, store) -> None:
         """Serve device ``dev`` from ``store`` (or an exception saying why it is absent)."""
@@ -83,7 +83,7 @@ class LocalTransport:
                               e.errno) from e
 
     def _inline(self, dev, ranges) -> bool:
-        if not INLINE or sum(n for _, n in ranges) > INLINE_MAX:
+        if not self.inline_reads or sum(n for _, n in ranges) > INLINE_MAX:
             return False
         if self._stalled and self._stalled.get(dev, 0.0) > time.monotonic():
             return False

@@ -14,13 +14,12 @@ import itertools
 import json
 import logging
 import math
-import os
 import socket
 import time
 
 import trio
 
-from ..config import microseconds_setting
+from ..config import get_settings
 from ..node.protocol import (CLIENT, Connection, ProtocolError, client_handshake,
                              read_spun)
 from ..node.tls import wrap
@@ -43,17 +42,6 @@ _FAILURES = (trio.TooSlowError, OSError, EOFError, ProtocolError)
 # how an idle pooled connection that the node closed (it restarted, say) fails: not a
 # sign of trouble, the request is tried again on a fresh connection
 _STALE = (EOFError, ConnectionResetError, BrokenPipeError)
-
-
-def spin_setting(environ=os.environ) -> float:
-    """Seconds a lone small read's reply is spun for (Connection._spin_loop): the
-    environment's BMFS_SPIN_US (microseconds, 0 turns spinning off), else 500 us.
-    Spinning wins where waking a sleeping CPU is slow (VMs: docs/architecture.md);
-    on bare metal it buys less for the CPU it burns."""
-    return microseconds_setting("BMFS_SPIN_US", 500, environ)
-
-
-SPIN = spin_setting()
 
 
 def _read_request(name: str, ranges):
@@ -94,6 +82,11 @@ class TcpTransport:
         # waits while C spins, and their tasks would wait with it to send theirs
         self.side_by_side = 0
         self.stores = {dev: addr for dev, addr in devices.items()}  # for status
+        # seconds a lone small read's reply is spun for (Connection._spin_loop;
+        # Settings.spin, BMFS_SPIN_US; 0: off). Spinning wins where waking a sleeping
+        # CPU is slow (VMs: docs/architecture.md); on bare metal it buys less for the
+        # CPU it burns.
+        self.spin = get_settings().spin
 
     def add_device(self, dev: int, address: str) -> None:
         """Reach device ``dev`` at the node at ``address`` from now on (a device known
@@ -167,7 +160,7 @@ class TcpTransport:
         self._inflight += 1
         try:
             conn, pooled = await self._start(node, dev, req, parts, own, deadline)
-            spin = SPIN if quick and self._inflight == 1 else 0.0
+            spin = self.spin if quick and self._inflight == 1 else 0.0
             resp, payload = await self._finish(node, dev, req, parts, conn, pooled,
                                                own, deadline, spin)
         finally:
@@ -310,7 +303,7 @@ class TcpTransport:
         self._inflight += len(reads)
         try:
             first, spun = True, ()
-            if CLIENT is not None and self.tls is None and SPIN and \
+            if CLIENT is not None and self.tls is None and self.spin and \
                     self._inflight == len(reads) and \
                     not self.side_by_side and all(_small(r[2]) for r in reads):
                 first = self._read_spun(reads, own, deadline, out, sent)
@@ -332,7 +325,7 @@ class TcpTransport:
                 dev, _, ranges, check = reads[i]
                 if spin is None:  # (not spun for in C already)
                     quiet = self._inflight == len(reads)
-                    spin = SPIN if quiet and _small(ranges) else 0.0
+                    spin = self.spin if quiet and _small(ranges) else 0.0
                 try:
                     resp, payload = await self._finish(node, dev, req, (), conn, pooled,
                                                        own, deadline, spin)
@@ -372,7 +365,7 @@ class TcpTransport:
         fastest = None
         try:
             got = read_spun([(conn, rid, reads[i][0], name, reads[i][2])
-                             for i, _, conn, rid, name in batch], SPIN, self.watch_fd)
+                             for i, _, conn, rid, name in batch], self.spin, self.watch_fd)
             while batch:
                 i, node, conn, rid, _ = batch.pop(0)
                 parts, status, unsent, seconds = got.pop(0)
@@ -388,7 +381,7 @@ class TcpTransport:
                     req.id, req.device = rid, dev
                     # (what is left of a spin cut short by a FUSE request is
                     # _spin_loop's, which lets other tasks run)
-                    spin = max(0.0, SPIN - (time.monotonic() - t0)) \
+                    spin = max(0.0, self.spin - (time.monotonic() - t0)) \
                         if status == CLIENT.WANTED else 0.0
                     sent.append((i, node, req, conn, True, t0, spin))
                 else:  # (unsent: a full send buffer on an idle connection: no good sign)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ..config import group_id
 from ..errors import Access, FsError, Invalid, NotFound, NotDir
-from ..meta import branches, keys
+from ..meta import branches, diff, keys, merge, trees
 from .attr import Attr
 from .views import (CTL_BRANCHES, CTL_FILE, CTL_ROOT, CTL_SNAPSHOTS, VIEW_SHIFT)
 
@@ -60,6 +60,13 @@ OPS: dict[str, tuple[str, dict[str, tuple[tuple, bool]]]] = {
                           "layout": (_STR + _NONE, False)}),
     "set_address": (ROOT, {"device": (_INT, True), "address": (_STR, True)}),
     "set_admin_group": (ROOT, {"group": (_STR + _NONE, True)}),
+}
+# the tree operations (meta/): op -> its function
+_TREE_OPS = {
+    "branch_list": branches.op_branch_list, "snapshot_list": branches.op_snapshot_list,
+    "branch_create": branches.op_branch_create, "snapshot_create": branches.op_snapshot_create,
+    "branch_delete": branches.op_branch_delete, "snapshot_delete": branches.op_snapshot_delete,
+    "branch_reset": branches.op_branch_reset, "diff": diff.op_diff, "merge": merge.op_merge,
 }
 _DEVICE_OPS = ("repair", "scrub", "rebalance", "drain", "undrain", "add_device", "set_address")
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
@@ -177,7 +184,7 @@ class Control:
                     (b"ctl", self.getattr(CTL_FILE)),
                     (b"snapshots", self.getattr(CTL_SNAPSHOTS))]
         kind = "branch" if fino == CTL_BRANCHES else "snapshot"
-        names = await branches.list_names(self.kv, kind)
+        names = await trees.list_names(self.kv, kind)
         out = []
         for n in names:
             view = await self.fs.views.add(kind, n)
@@ -234,7 +241,7 @@ class Control:
             reply = {"ok": False, "error": str(e), "errno": e.errno}
         except FsError as e:
             reply = {"ok": False, "error": str(e), "errno": e.errno}
-            if isinstance(e, branches.MergeConflict):  # (bmfs merge --json lists them)
+            if isinstance(e, merge.MergeConflict):  # (bmfs merge --json lists them)
                 reply["conflicts"] = list(e.paths)
         except (ValueError, TypeError, KeyError) as e:
             reply = {"ok": False, "error": f"bad request: {e}", "errno": 22}
@@ -283,7 +290,7 @@ class Control:
         if op in _DEVICE_OPS:
             from ..volume.admin import DEVICE_OPS
             return await DEVICE_OPS[op](self.fs.volume, **args)
-        fn = getattr(branches, "op_" + op)
+        fn = _TREE_OPS[op]
         deleting = op in ("branch_delete", "snapshot_delete")
         if deleting:
             # the layers only the tree used are collected in the background (a pass
@@ -291,8 +298,8 @@ class Control:
             args["collect"] = False
         result = await fn(self.kv, **args)
         await self.fs.views.refresh()
-        if isinstance(result, dict) and branches.TOUCHED in result:
-            await self._invalidate(*result.pop(branches.TOUCHED))
+        if isinstance(result, dict) and trees.TOUCHED in result:
+            await self._invalidate(*result.pop(trees.TOUCHED))
         if op in ("branch_delete", "snapshot_delete") and self.fs.notify is not None:
             # the kernel caches the name for the entry timeout: a deleted tree would
             # still show (with its contents) until then

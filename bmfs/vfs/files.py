@@ -33,7 +33,7 @@ from ..config import MAX_FILE_SIZE
 from ..data.codec import stripe_length
 from ..errors import FsError, IOFailure, IsDir, NotFound, TooBig
 from ..lru import LRU
-from ..meta import branches, keys
+from ..meta import keys, trees
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
 from ..meta.records import UNCOUNTED, Inode, Slice, SliceMap, compact
@@ -58,24 +58,9 @@ FREE_FILE_CHUNKS = FREE_BATCH // FREE_FILES
 # mount that let it go (unlinked it while no handle of its own was open, closed its
 # last handle, or found its holders dead). A mount that holds it open claims it (puts
 # its id in); an unclaimed one is freed by a mount that has seen it unclaimed for
-# ORPHAN_GRACE seconds (reap_orphans), long enough for every live mount to sweep a few
+# Settings.orphan_grace seconds (reap_orphans), long enough for every live mount to sweep a few
 # times. Off by default: see docs/etcd.md for what it does not handle yet.
 UNCLAIMED = b"?"
-
-
-def _grace() -> float | None:
-    raw = os.environ.get("BMFS_ORPHAN_GRACE")
-    if not raw:
-        return None
-    try:
-        return max(0.0, float(raw))
-    except ValueError:
-        log.warning("BMFS_ORPHAN_GRACE=%r is not a number of seconds; frees are not "
-                    "deferred", raw)
-        return None
-
-
-ORPHAN_GRACE = _grace()  # None: a file is freed when its last name and handle here go
 
 
 def unclaimed(mount_id: str) -> bytes:
@@ -239,7 +224,7 @@ class Files:
             if self.fs.defers_free(view):
                 await self._set_holders(view, ino, lay, drop=self.fs.mount_id)
                 self.let_go(lay, ino)
-            elif self.fs.shared and ORPHAN_GRACE is not None:
+            elif self.fs.shared and self.fs.orphan_grace is not None:
                 # (a branch under /.bm: freed now unless a mount of that branch claimed
                 # it meanwhile, which then lets it go in its turn)
                 me = self.fs.mount_id
@@ -680,7 +665,7 @@ class Files:
             # the record's layer is frozen: a snapshot or branch taken since shares
             # it, nameless inode and all. The record stays for those trees (fsck,
             # a mount of that branch frees its own copy) and goes with the layer
-            # (branches.collect_layers), or once no tree has the inode; this tree's
+            # (layer_gc.collect_layers), or once no tree has the inode; this tree's
             # copy is gone now.
             done.append((ino, None, (chain.top, at, ino)))
         return True
@@ -692,10 +677,10 @@ class Files:
         copy), the record is of no more use: kept, no pass would ever drop it (the
         layer stays under this tree's; a pruned version took with it the only sign).
         A tree made meanwhile (a new layer) makes the transaction's check fail."""
-        counter, trees = await branches.trees_through(self.kv, lay)
+        counter, others = await trees.trees_through(self.kv, lay)
         if await txn.get(keys.counter("layer")) != counter:
             return True
-        for other in trees:
+        for other in others:
             if other.top != chain.top and await ns.get_inode(txn, other, ino) is not None:
                 return True
         return False
@@ -747,7 +732,7 @@ class Files:
         """One orphan record of a shared volume (see UNCLAIMED), ``live`` the other
         mounts with a live record: claim it if this mount holds the file open; free an
         unclaimed one that is this mount's, or a dead mount's, once it has been seen
-        unclaimed for ORPHAN_GRACE seconds (at once if no other mount lives: none can
+        unclaimed for FileSystem.orphan_grace seconds (at once if no other mount lives: none can
         hold it), by putting it in ``due``; make it unclaimed once every holder it
         names is gone."""
         me = self.fs.mount_id
@@ -763,7 +748,7 @@ class Files:
             # (alone, a file this mount let go of is nobody's: one it took over from
             # holders that seemed dead waits, as their records may just be late)
             alone = not live and (lay, ino) in self._let_go
-            if alone or now - first >= ORPHAN_GRACE:
+            if alone or now - first >= self.fs.orphan_grace:
                 due.append((ino, lay, record))  # (freed only if it still says this)
             return
         if any(h in live for h in named):

@@ -18,7 +18,7 @@ from functools import partial
 
 import trio
 
-from ..config import MAX_NAME
+from ..config import MAX_NAME, get_settings
 from ..errors import (CrossDevice, Exists, FsError, Invalid, IsDir, MetaDamaged, NameTooLong,
                       NoAttr, NotDir, NotEmpty, NotFound, NotSupported, Perm, Range, ReadOnly)
 from ..lru import LRU
@@ -82,6 +82,9 @@ class FileSystem:
         # unlinks (with BMFS_ORPHAN_GRACE set, its last name going then frees it only
         # through the orphan sweep: defers_free)
         self.shared = not self.kv.caps.single_writer
+        # None: a file is freed when its last name and handle here go; else deferred
+        # frees (files.py, "Deferred frees"; opt-in: docs/etcd.md)
+        self.orphan_grace = get_settings().orphan_grace
         self._heads: dict[str, tuple[int, int]] = {}  # branch -> (head, record revision)
         # (view id, ino) -> the last inodes freed here, as they were (see setattr)
         self.gone = LRU(GONE_KEPT)
@@ -131,8 +134,7 @@ class FileSystem:
         a shared volume, in the tree the sweep looks after (view 0, and that tree
         under /.bm), where a file unlinked by one mount stays readable and writable
         through the handles other mounts hold, as it does through this mount's."""
-        from .files import ORPHAN_GRACE  # (opt-in: docs/etcd.md)
-        return ORPHAN_GRACE is not None and self.shared and \
+        return self.orphan_grace is not None and self.shared and \
             view in self.views.of_tree(self.views.get(0))
 
     def split(self, fino: int):

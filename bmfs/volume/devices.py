@@ -177,7 +177,7 @@ async def add_device(volume, path: str, address: str | None = None, device: int 
     stripes are placed over it with the others from then on; what is stored stays
     where it is."""
     from ..store.pmem import open_store
-    from .volume import DEFAULT_LAYOUT
+    from ..config import get_settings
     records = await device_records(volume.kv)
     if device is None:
         device = max(records, default=-1) + 1
@@ -201,7 +201,7 @@ async def add_device(volume, path: str, address: str | None = None, device: int 
                 (rec["node"], path):
             raise Invalid(f"{path} is device {dev} already")
     if address is None:
-        layout = layout or _layout_of(volume, records) or DEFAULT_LAYOUT
+        layout = layout or _layout_of(volume, records) or get_settings().layout
         try:
             await trio.to_thread.run_sync(_prepare_local, volume.settings.uuid, records,
                                           path, device, layout)

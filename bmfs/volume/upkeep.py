@@ -5,7 +5,7 @@
 - every GC_INTERVAL seconds a round (``_rounds``): device changes made elsewhere,
   damage seen by reads recorded for repair, layers of deleted trees collected,
   unreferenced stripes deleted, orphans of dead mounts freed (etcd), and every
-  REPAIR_EVERY rounds a repair of what is queued;
+  repair_rounds rounds (BMFS_REPAIR_ROUNDS) a repair of what is queued;
 - on an etcd volume, the watch of the device records (vfs/watch.py), and the engine's
   own upkeep (compaction), run by the mount that leads (session.leads_repair: the
   oldest live one), as are background repair and layer collection, so that work is
@@ -17,10 +17,10 @@ mount's nursery, ``end`` once it is closed.
 from __future__ import annotations
 
 import logging
-import os
 
 import trio
 
+from ..config import get_settings
 from ..errors import FsError
 from ..meta import branches, keys
 from ..vfs import gc
@@ -29,7 +29,6 @@ from . import repair, session
 
 log = logging.getLogger(__name__)
 GC_INTERVAL = 5.0
-REPAIR_EVERY = int(os.environ.get("BMFS_REPAIR_ROUNDS", 6))  # GC rounds between repairs
 
 
 async def begin(volume) -> None:
@@ -72,16 +71,16 @@ async def run(fs, mountpoint: str, task_status=trio.TASK_STATUS_IGNORED) -> None
 async def _rounds(fs) -> None:
     """Background upkeep: take up device changes made elsewhere (Volume.refresh_devices),
     record damage seen by reads, delete garbage stripes, free orphans of dead mounts
-    (etcd), and every REPAIR_EVERY rounds repair the fragments queued as missing or
-    corrupt. On a shared (etcd) volume only one mount repairs in the background (the
+    (etcd), and every repair_rounds rounds (BMFS_REPAIR_ROUNDS) repair the fragments
+    queued as missing or corrupt. On a shared (etcd) volume only one mount repairs in the background (the
     oldest live one, session.leads_repair), so fragments are not rebuilt twice."""
     shared = not fs.kv.caps.single_writer  # other mounts may die holding orphans
-    rounds = 0
+    rounds, repair_rounds = 0, get_settings().repair_rounds
     while True:
         with trio.move_on_after(GC_INTERVAL):
             await fs.collect_now.wait()  # a tree deleted here: its layers at once
         asked, fs.collect_now = fs.collect_now.is_set(), trio.Event()
-        rounds += not asked  # (repairs come every REPAIR_EVERY timed rounds)
+        rounds += not asked  # (repairs come every repair_rounds timed rounds)
         try:
             await fs.volume.refresh_devices()  # devices added or drained elsewhere
             await fs.volume.record_damage()
@@ -91,7 +90,7 @@ async def _rounds(fs) -> None:
                 await session.sweep_orphans(fs)
             # (not while a repair, scrub, drain or rebalance of this mount runs: that
             # would hold the rest of the upkeep up until it ends)
-            if rounds % REPAIR_EVERY == 0 and not repair.busy(fs.volume) and \
+            if rounds % repair_rounds == 0 and not repair.busy(fs.volume) and \
                     await fs.kv.range(*keys.span(keys.DAMAGE_PREFIX), 1) and \
                     (not shared or await session.leads_repair(fs)):
                 result = await repair.repair(fs.volume)

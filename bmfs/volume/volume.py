@@ -15,7 +15,7 @@ import uuid as uuidlib
 
 import trio
 
-from ..config import DEFAULT_LAYOUT, VolumeSettings, group_id
+from ..config import VolumeSettings, get_settings, group_id
 from ..data.client import DataClient
 from ..errors import VolumeError
 from ..kv import open_kv, seal
@@ -131,12 +131,12 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
                admin_group: str | None = None) -> VolumeSettings:
     """Create a volume in directory ``path``. Raises VolumeError if one is there already.
     ``layout``: how device directories keep fragments (store/pmem.py LAYOUTS; default
-    config.DEFAULT_LAYOUT). ``on_nodes``: a volume whose devices will be storage nodes' (on
+    config.Settings.layout). ``on_nodes``: a volume whose devices will be storage nodes' (on
     other machines), none yet: each is added with ``bmfs node add --address`` once its
     node serves it; a new cluster secret is written to ``path``/secret (unless one is
     there). ``admin_group``: a group (of this machine) whose members may manage
     branches and snapshots (vfs/control.py)."""
-    layout = layout or DEFAULT_LAYOUT
+    layout = layout or get_settings().layout
     if admin_group is not None:
         try:
             group_id(admin_group)

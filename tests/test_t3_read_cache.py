@@ -1,7 +1,7 @@
 """Level 3: a file open for reading sees every change made meanwhile (vfs, no FUSE).
 
 Reads keep the inode and slice lists they looked up while nothing was committed
-(bmfs/vfs/files.py, ``_read_cache``); any commit (a write through another handle, a
+(bmfs/vfs/reads.py, ``_read_cache``); any commit (a write through another handle, a
 truncate, an overwrite) must make the next read look again.
 """
 import os

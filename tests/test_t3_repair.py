@@ -1,4 +1,5 @@
 """Level 3: repair over a volume of in-process devices (no FUSE)."""
+import errno
 import os
 
 import pytest
@@ -370,4 +371,36 @@ def test_repair_reports_the_stripes_it_leaves_short_and_why(tmp_path):
             assert await read_file(fs, ino) == data
             problems, _ = await fsck(v, full=True)
             assert problems == []
+    trio.run(main)
+
+
+def test_the_control_file_serves_volume_administration_once_installed(tmp_path):
+    """The control file of a filesystem the volume layer has not set up refuses status,
+    device and repair requests (EOPNOTSUPP, said in the reply); once volume/admin.py
+    installs its handlers it answers them, and branch requests work either way."""
+    import json
+
+    from bmfs.vfs.control import IN_PROCESS
+    from bmfs.volume import admin
+
+    async def ask(fs, fh, req: dict) -> dict:
+        await fs.control.write(fh, json.dumps(req).encode())
+        return json.loads(fs.control.read(fh, 0, 1 << 20))
+
+    async def main():
+        async with open_fs(tmp_path / "vol") as fs:
+            fh = fs.control.open(IN_PROCESS)
+            for op in ("status", "devices", "repair"):
+                r = await ask(fs, fh, {"op": op})
+                assert not r["ok"] and r["errno"] == errno.EOPNOTSUPP, r
+                assert "not served here" in r["error"]
+            assert (await ask(fs, fh, {"op": "branch_create", "name": "b"}))["ok"]
+            admin.install(fs)
+            r = await ask(fs, fh, {"op": "devices"})
+            assert r["ok"] and sorted(r["result"]) == [str(d) for d in range(6)]
+            r = await ask(fs, fh, {"op": "repair"})
+            assert r["ok"] and r["result"]["stripes_failed"] == 0
+            r = await ask(fs, fh, {"op": "status"})
+            assert r["ok"] and len(r["result"]["devices"]) == 6
+            fs.control.release(fh)
     trio.run(main)

@@ -863,7 +863,7 @@ def test_orphan_record_kept_while_a_tree_has_the_inode(tmp_path):
     async def branch_mount(fs):
         assert len(await fs.kv.range(b"o/", b"o0")) == 1  # main's start sweep kept it
         view = await fs.views.add("branch", "b")
-        await fs.files.reap_orphans(view)  # the branch's mount frees its copy
+        await fs.files.orphans.reap_orphans(view)  # the branch's mount frees its copy
         assert await fs.kv.range(b"o/", b"o0") == []
         with raises(errno.ENOENT):
             await fs.getattr(view.id << VIEW_SHIFT | a_ino[0])
@@ -876,7 +876,7 @@ def test_files_a_crashed_mount_held_unlinked_are_freed_together(tmp_path):
     file too big to go with others (more than FREE_FILE_CHUNKS chunks) by itself.
     fsck at the end: nothing left without a name or a record."""
     from bmfs.meta.keys import CHUNK_SIZE
-    from bmfs.vfs.files import FREE_FILE_CHUNKS, FREE_FILES
+    from bmfs.vfs.orphans import FREE_FILE_CHUNKS, FREE_FILES
     n = 3 * FREE_FILES
 
     async def crash():

@@ -317,10 +317,10 @@ def test_big_file_freed_in_batches(tmp_path, monkeypatch):
     touch goes a batch of chunks per transaction (here: etcd's default of 128
     operations per transaction, and 16 chunks per batch)."""
     from bmfs.cluster.etcd import EtcdCluster
-    from bmfs.vfs import files
+    from bmfs.vfs import orphans
     from bmfs.meta.keys import CHUNK_SIZE
     from vfsutil import open_fs
-    monkeypatch.setattr(files, "FREE_BATCH", 16)
+    monkeypatch.setattr(orphans, "FREE_BATCH", 16)
     cluster = EtcdCluster(max_txn_ops=128)
     try:
         async def main():

@@ -425,7 +425,7 @@ def test_deferred_frees_of_many_small_files_go_together(etcd_cluster, tmp_path, 
     once the grace is over does so several files a transaction (files.FREE_FILES),
     not one each (which doubled the transactions `rm -rf` costs etcd)."""
     from bmfs.meta.keys import CHUNK_SIZE
-    from bmfs.vfs.files import FREE_FILE_CHUNKS, FREE_FILES
+    from bmfs.vfs.orphans import FREE_FILE_CHUNKS, FREE_FILES
     monkeypatch.setenv("BMFS_ORPHAN_GRACE", "3")
     n = 3 * FREE_FILES
     with etcd_volume(etcd_cluster, tmp_path, 2) as (a, b):

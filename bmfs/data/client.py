@@ -25,7 +25,7 @@ from .. import metrics
 from ..errors import IOFailure, NoSpace
 from ..lru import LRU
 from ..meta.records import EC, INLINE, NO_DEVICE, Stripe
-from ..transport import DeviceError, TooSlow, run_in_thread
+from ..transport import DeviceError, TooSlow, Transport, run_in_thread
 from ..format import fragment as fr
 from .codec import LIB_HEADER, codec, stripe_bytes, stripe_length
 from .native import NATIVE
@@ -47,8 +47,43 @@ REBUILT_KEPT = 64  # stripes whose last rebuilt range is remembered (sequential 
 DISCARD_TIME = 10.0  # seconds a failed write may spend deleting what it stored
 
 
+class Pending:
+    """The stripes whose fragments are on devices while no committed record names them
+    yet: being written (vfs/writes.py), rebuilt or moved (volume/repair.py). The leak
+    sweep passes their fragments by (gc.sweep_leaked, ``now``), and a mount that took
+    up a device change waits until those placed before it are committed or dropped
+    (session.confirm_devices, ``settled``). Whoever opens the window holds it:
+    ``with data.pending(sid): ...``; a stripe held twice (a rebuild of one being
+    written) stays pending until both let go."""
+
+    def __init__(self):
+        self._held: dict[int, int] = {}  # sid -> holders
+        self._released = trio.lowlevel.ParkingLot()
+
+    @contextlib.contextmanager
+    def __call__(self, sid: int):
+        self._held[sid] = self._held.get(sid, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._held.pop(sid) - 1
+            if left:
+                self._held[sid] = left
+            self._released.unpark_all()
+
+    def now(self) -> frozenset[int]:
+        """The stripes pending at this moment."""
+        return frozenset(self._held)
+
+    async def settled(self, sids) -> None:
+        """Wait until none of ``sids`` is pending."""
+        while any(sid in self._held for sid in sids):
+            await self._released.park()
+
+
 class DataClient:
-    def __init__(self, transport, devices: list[int], k: int, m: int, inline_max: int,
+    def __init__(self, transport: Transport, devices: list[int], k: int, m: int,
+                 inline_max: int,
                  on_damage=None, domains: dict[int, str] | None = None):
         self.transport = transport
         self.devices = devices  # where new stripes may go (in service)
@@ -68,16 +103,16 @@ class DataClient:
         # block checksum tables of fragments whose header was read and verified: a
         # small read then fetches (and checks) just its blocks
         self._tables = LRU(TABLE_CACHE)
-        # stripes whose fragments are being written or whose record is not committed
-        # yet (the writer discards them after its commit): the leak sweep skips them
-        self.uncommitted: set[int] = set()
+        # stripes whose fragments no committed record names yet: ``with
+        # self.pending(sid)`` around the window
+        self.pending = Pending()
 
     # -- writes ---------------------------------------------------------------------------
     async def write_stripe(self, sid: int, data) -> Stripe:
         """Store ``data`` as stripe ``sid``; returns its record (refs 0). ``data``: a
         bytes-like object or a list of them (the stripe's pieces, in order, not joined:
-        the encoder reads them in place). The caller discards ``sid`` from
-        ``uncommitted`` once the record is committed (or dropped)."""
+        the encoder reads them in place). The caller holds ``sid`` pending
+        (``with self.pending(sid)``) until its record is committed (or dropped)."""
         length = stripe_length(data)
         if length <= self.inline_max:
             return Stripe(INLINE, length, data=stripe_bytes(data))
@@ -86,7 +121,6 @@ class DataClient:
             # all added yet: fragments would double up on too few of them, or nowhere)
             raise NoSpace(f"the volume has {len(self.devices)} devices in service; writes "
                           f"need at least {k + 1} ({k}+{m}): add devices (bmfs node add)")
-        self.uncommitted.add(sid)
         t0 = time.perf_counter()
         cd = codec(k, m)
         version = fr.VERSION
@@ -204,12 +238,11 @@ class DataClient:
         transport does not hold the event loop for one of them (TcpTransport's small
         reads in C), which would keep the others from sending theirs until it is
         answered."""
-        t = self.transport
-        t.side_by_side = getattr(t, "side_by_side", 0) + 1
+        self.transport.side_by_side += 1
         try:
             yield
         finally:
-            t.side_by_side -= 1
+            self.transport.side_by_side -= 1
 
     async def read(self, sid: int, st: Stripe, offset: int, length: int):
         """Bytes [offset, offset+length) of the stripe (clipped to its length): bytes,

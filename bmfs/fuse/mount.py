@@ -9,7 +9,8 @@ ready (or an error, which it prints as one line). The child logs to
 Besides serving FUSE the daemon runs the watch that keeps the kernel's caches
 coherent with other mounts of an etcd volume (vfs/watch.py) and the volume's upkeep
 (volume/upkeep.py: garbage collection, repair, the mount's presence record, device
-changes, orphan sweeps).
+changes, orphan sweeps), and serves volume administration through the control file
+(volume/admin.py).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from ..config import MountOptions, get_settings
 from ..errors import FsError, VolumeError
 from ..vfs.fs import ATIME_MODES, FileSystem
 from ..vfs.watch import Watcher
-from ..volume import upkeep
+from ..volume import admin, upkeep
 from ..volume.volume import Volume
 from .ops import Operations
 
@@ -50,6 +51,7 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
     try:
         await upkeep.begin(volume)  # single owner: sweep after a crash
         fs = await FileSystem.create(volume, opts.branch)
+        admin.install(fs)
         volume.kv.enable_write_behind()  # etcd: commit behind (docs/etcd.md)
         ops = Operations(fs, opts.attr_timeout, get_settings().idle_spin)
         if not fs.views.get(0).writable:  # a snapshot at the root: the kernel says EROFS

@@ -35,7 +35,7 @@ o/<layer:08x>/<ino:016x>               inode whose last name went while it may b
                                        with BMFS_ORPHAN_GRACE set (opt-in), also
                                        "?<mount id>": unclaimed, freed by a sweep after
                                        the grace unless a mount that holds it open
-                                       claims it (vfs/files.py, docs/etcd.md). A
+                                       claims it (vfs/orphans.py, docs/etcd.md). A
                                        record whose layer was frozen since (a
                                        snapshot or branch taken) stays when the
                                        mounted tree frees its copy: it goes with

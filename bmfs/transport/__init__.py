@@ -7,7 +7,7 @@ and may raise; past ``deadline``, in trio time, a read that is still waiting rai
 (dev, name, ranges, check): each item's parts or the exception it failed with),
 ``delete(dev, name)``, ``sync(dev)``, ``aclose()``. A transport raises
 ``DeviceError`` when a device cannot serve a request (missing, down, I/O error); the
-data client treats that like a lost fragment.
+data client treats that like a lost fragment. ``Transport`` declares it.
 
 ``run_in_thread`` is how the data path runs blocking or CPU-heavy work off the event
 loop.
@@ -15,6 +15,7 @@ loop.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import trio
 
@@ -31,6 +32,26 @@ class DeviceError(Exception):
 class TooSlow(Exception):
     """A read's ``deadline`` (a hedged read's) passed before the device answered: not a
     failure of the device, which is not marked down."""
+
+
+class Transport(Protocol):
+    """What the data client needs of a transport (local.py, tcp.py). A transport may
+    also sync several devices in one call (``sync_many(devs)``: LocalTransport, one
+    syncfs per filesystem), which the data client uses where it is there."""
+    # reads being started side by side (DataClient.side_by_side counts them): a
+    # transport that would hold the event loop for one read (TcpTransport's small
+    # reads in C) does not while it is above 0
+    side_by_side: int
+
+    async def put(self, dev: int, name: str, parts: list) -> None: ...
+    async def read(self, dev: int, name: str, ranges, check=None,
+                   deadline: float = math.inf) -> list: ...
+    async def read_many(self, reads, deadline: float = math.inf) -> list: ...
+    async def delete(self, dev: int, name: str) -> None: ...
+    async def sync(self, dev: int) -> None: ...
+    async def names(self, dev: int) -> list[str]: ...
+    def is_up(self, dev: int) -> bool: ...
+    async def aclose(self) -> None: ...
 
 
 async def run_in_thread(fn, *args, limiter: trio.CapacityLimiter | None = None):

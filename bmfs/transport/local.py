@@ -52,6 +52,7 @@ class LocalTransport:
         self._waiting = None                  # poll() of the FUSE device, if watched
         self.stats = {"inline_reads": 0, "thread_reads": 0}
         self.inline_reads = get_settings().inline_reads  # False: every read in a thread
+        self.side_by_side = 0  # (Transport: local reads never hold the event loop long)
 
     def add_device(self, dev: int, store) -> None:
         """Serve device ``dev`` from ``store`` (or an exception saying why it is absent)."""

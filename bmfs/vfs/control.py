@@ -11,6 +11,11 @@ request; branch and snapshot operations are root's and the admin group's; device
 operations, repair, scrub and the admin group itself are root's. The sender is the
 process that opened the handle (its uid, gid and groups when it opened it), as for
 any file whose permissions are checked at open. A reply is kept per handle.
+
+Branch and snapshot requests are run here (meta/branches.py). Volume administration
+(status, device records, repair, drain...) lives above the vfs, in bmfs/volume/: its
+requests are run by the handlers that layer installs (``Control.serve``, from
+volume/admin.py), and refused with EOPNOTSUPP where none is installed.
 """
 from __future__ import annotations
 
@@ -18,10 +23,11 @@ import json
 import logging
 import stat
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ..config import group_id
-from ..errors import Access, FsError, Invalid, NotFound, NotDir
+from ..errors import Access, FsError, Invalid, NotDir, NotFound, NotSupported
 from ..meta import branches, diff, keys, merge, trees
 from .attr import Attr
 from .views import (CTL_BRANCHES, CTL_FILE, CTL_ROOT, CTL_SNAPSHOTS, VIEW_SHIFT)
@@ -68,7 +74,12 @@ _TREE_OPS = {
     "branch_delete": branches.op_branch_delete, "snapshot_delete": branches.op_snapshot_delete,
     "branch_reset": branches.op_branch_reset, "diff": diff.op_diff, "merge": merge.op_merge,
 }
-_DEVICE_OPS = ("repair", "scrub", "rebalance", "drain", "undrain", "add_device", "set_address")
+# the requests served from above (Control.serve): volume administration
+SERVED_FROM_ABOVE = ("status", "devices", "repair", "scrub", "rebalance", "drain", "undrain",
+                     "add_device", "set_address")
+# a request's handler: called with the request's checked fields, it returns the reply's
+# result (JSON-able) or raises FsError
+Handler = Callable[..., Awaitable[object]]
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
                type(None): "null"}
 
@@ -151,6 +162,13 @@ class Control:
         settings = getattr(getattr(fs, "volume", None), "settings", None)
         self._group = getattr(settings, "admin_group", None)  # its name, as stored
         self.admin_gid = self._resolve(self._group)
+        self._handlers: dict[str, Handler] = {}
+
+    def serve(self, op: str, handler: Handler) -> None:
+        """Run request ``op`` (one of SERVED_FROM_ABOVE) with ``handler`` from now on."""
+        if op not in SERVED_FROM_ABOVE:
+            raise ValueError(f"{op!r} is not a request served from above the vfs")
+        self._handlers[op] = handler
 
     def getattr(self, fino: int):
         t = self._t
@@ -274,22 +292,19 @@ class Control:
 
     async def run(self, op: str, args: dict):
         """Run request ``op`` with ``args`` (checked by check_request)."""
-        if op == "status":
-            from ..volume.status import volume_status
-            return await volume_status(self.fs.volume)
         if op == "mounted":  # the tree at the mount's root
             view = self.fs.views.get(0)
             return {"kind": view.kind, "name": view.name}
-        if op == "devices":  # every device record, removed ones too
-            from ..volume.volume import device_records
-            return {str(dev): rec for dev, rec in (await device_records(self.kv)).items()}
+        if op in SERVED_FROM_ABOVE:
+            handler = self._handlers.get(op)
+            if handler is None:
+                raise NotSupported(f"{op} is not served here (no volume administration "
+                                   f"installed on this filesystem)")
+            return await handler(**args)
         if op == "admin_group":
             return {"admin_group": self._group, "gid": self.admin_gid}
         if op == "set_admin_group":
             return await self._set_group(args["group"])
-        if op in _DEVICE_OPS:
-            from ..volume.admin import DEVICE_OPS
-            return await DEVICE_OPS[op](self.fs.volume, **args)
         fn = _TREE_OPS[op]
         deleting = op in ("branch_delete", "snapshot_delete")
         if deleting:

@@ -26,7 +26,8 @@ from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.records import UNCOUNTED, Inode
 from .attr import Attr, attr_of
-from .files import Files, unclaimed
+from .files import Files
+from .orphans import unclaimed
 from .held import HeldDirs
 from .views import (CTL_BRANCHES, CTL_FILE, CTL_NAME, CTL_ROOT, CTL_SNAPSHOTS, CTL_VIEW,
                     INO_MASK, VIEW_SHIFT, Views)
@@ -68,7 +69,7 @@ class FileSystem:
         self.volume = volume
         self.kv = volume.kv
         self.views = views
-        self.files = Files(self)
+        self.files = Files(self, volume.data, volume.settings.stripe_size)
         self.control = None  # set by control.py (branch commands through /.bm/ctl)
         # set when a branch or snapshot deleted here has layers to collect: the mount's
         # upkeep (volume/upkeep.py) collects them at once, in the background
@@ -115,7 +116,7 @@ class FileSystem:
         fs = cls(volume, views)
         from .control import Control
         fs.control = Control(fs)
-        await fs.files.reap_orphans(views.get(0))
+        await fs.files.orphans.reap_orphans(views.get(0))
         return fs
 
     # -- helpers ----------------------------------------------------------------------------
@@ -130,7 +131,7 @@ class FileSystem:
 
     def defers_free(self, view) -> bool:
         """Whether a file of ``view`` whose last name goes (and last handle here closes)
-        is left to the orphan sweep (Files.reap_orphans) rather than freed at once: on
+        is left to the orphan sweep (Orphans.reap_orphans) rather than freed at once: on
         a shared volume, in the tree the sweep looks after (view 0, and that tree
         under /.bm), where a file unlinked by one mount stays readable and writable
         through the handles other mounts hold, as it does through this mount's."""
@@ -467,15 +468,15 @@ class FileSystem:
         i.ctime_ns = now
         if i.nlink > 0:
             await ns.put_inode(txn, chain, ino, i)
-        elif self.files.is_open(view, ino) or (self.files.is_big(i) and not self.defers_free(view)):
+        elif self.files.is_open(view, ino) or (self.files.orphans.is_big(i) and not self.defers_free(view)):
             await ns.put_inode(txn, chain, ino, i)
             txn.put(keys.orphan(chain.top, ino), self.mount_id.encode())
-            self.files.orphaned[(view.id, ino)] = chain.top  # (harmless if this try fails)
+            self.files.orphans.orphaned[(view.id, ino)] = chain.top  # (harmless if this try fails)
         elif i.is_reg() and self.defers_free(view):
             # another mount may hold it open: freed by the sweep unless one claims it
             await ns.put_inode(txn, chain, ino, i)
             txn.put(keys.orphan(chain.top, ino), unclaimed(self.mount_id))
-            self.files.let_go(chain.top, ino)  # (harmless if this try fails)
+            self.files.orphans.let_go(chain.top, ino)  # (harmless if this try fails)
         else:
             self.freed(view, ino, i)
             await ns.delete_inode(txn, chain, ino, i)
@@ -521,7 +522,7 @@ class FileSystem:
             return ino, i
         ino, i = await self.mutate(view, fn)
         self.files.overlay_update(view, ino, i)
-        await self.files.free_unlinked(view, ino)  # a big file: a batch at a time
+        await self.files.orphans.free_unlinked(view, ino)  # a big file: a batch at a time
 
     async def rename(self, p1: int, n1: bytes, p2: int, n2: bytes, flags: int = 0) -> None:
         check_name(n2)
@@ -599,7 +600,7 @@ class FileSystem:
         res = await self.mutate(view, fn)
         if res and res[0] is not None:
             self.files.overlay_update(view, res[0], res[1])
-            await self.files.free_unlinked(view, res[0])
+            await self.files.orphans.free_unlinked(view, res[0])
 
     async def _check_not_ancestor(self, txn, chain, dir_ino: int, target_parent: int):
         """EINVAL if ``target_parent`` is ``dir_ino`` or inside it."""
@@ -785,7 +786,7 @@ class FileSystem:
             # files let go of here: freed now if no other mount lives (else by the
             # others' sweeps, after the grace)
             try:
-                await self.files.reap_orphans(view)
+                await self.files.orphans.reap_orphans(view)
             except FsError as e:
                 log.warning("could not free the files unlinked here: %s", e)
 

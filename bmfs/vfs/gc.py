@@ -51,7 +51,7 @@ async def sweep_leaked(volume) -> int:
             listed[dev] = await volume.transport.names(dev)
         except DeviceError:
             continue
-    in_flight = set(volume.data.uncommitted)
+    in_flight = volume.data.pending.now()
     owned: dict[int, set[str]] = {}
     for prefix in (keys.STRIPE_PREFIX, keys.GARBAGE_PREFIX):
         for k, v in await volume.kv.range(*keys.span(prefix)):

@@ -14,7 +14,7 @@ milliseconds:
   the writeback cache keeps) is read afresh (directories keep their names: dropping
   one would make getcwd fail in processes inside it);
 - ``o/LAYER/INO``: a file unlinked (or let go of) by another mount: if it is open
-  here, this mount claims it at once (Files.claim_if_open), so it stays until closed;
+  here, this mount claims it at once (Orphans.claim_if_open), so it stays until closed;
 - ``b/NAME``, ``n/NAME``: a branch or snapshot record changed: the views are
   re-read (a branch's head moves when a snapshot or branch is taken from it; its
   layers are then read at their new positions). If a branch's tree was replaced
@@ -100,7 +100,7 @@ class Watcher:
                     if started:  # changes may have been missed while it was down
                         await self.fs.views.refresh()
                         await self._notify("invalidate_view", None)
-                        await self.fs.files.claim_open()
+                        await self.fs.files.orphans.claim_open()
                     else:
                         started = True
                         task_status.started()
@@ -166,13 +166,13 @@ class Watcher:
         await self._flush(inodes, entries)
         for key, value in claims:
             # a file another mount unlinked (or let go of): if it is open here, say so
-            # now, long before the sweep would free it (Files.claim_if_open)
+            # now, long before the sweep would free it (Orphans.claim_if_open)
             try:
                 lay, ino = keys.orphan_of(key)
             except ValueError:
                 continue
             try:
-                await self.fs.files.claim_if_open(lay, ino, value)
+                await self.fs.files.orphans.claim_if_open(lay, ino, value)
             except FsError as e:  # the sweep claims it at its next round
                 log.warning("could not claim orphan inode %d: %s", ino, e)
 

@@ -87,11 +87,8 @@ async def repair_stripe(volume, sid: int, st: Stripe, bad: list[int],
                         avoid: set[int]) -> tuple[int, dict[int, str]]:
     """Rebuild fragments ``bad`` of one stripe; returns how many were moved, and the
     fragments left short: index -> why (NO_DEVICE_FREE, NO_SPACE, DEVICE_DOWN)."""
-    volume.data.uncommitted.add(sid)  # new fragments not in the record yet: not leaks
-    try:
+    with volume.data.pending(sid):  # new fragments not in the record yet: not leaks
         return await _repair_stripe(volume, sid, st, bad, avoid)
-    finally:
-        volume.data.uncommitted.discard(sid)
 
 
 def _places(volume, sid: int, i: int, devices: list[int], avoid: set[int]) -> list[int]:
@@ -347,8 +344,7 @@ async def rebalance(volume, progress=None, limit: float | None = None) -> dict:
             examined += 1
             await pace.spent(2 * st.frag_len * len(off))  # each read, then written
             devices, fresh = list(st.devices), {}
-            volume.data.uncommitted.add(sid)  # copies not in the record yet: not leaks
-            try:
+            with volume.data.pending(sid):  # copies not in the record yet: not leaks
                 for i, target in zip(off, spare):
                     try:
                         frag = await data._read_fragment(sid, st, i)  # verified
@@ -370,8 +366,6 @@ async def rebalance(volume, progress=None, limit: float | None = None) -> dict:
                         await volume.transport.delete(devices[i], fr.fragment_name(sid, i))
                     except DeviceError:
                         pass  # its device failed too: swept as a leak later
-            finally:
-                volume.data.uncommitted.discard(sid)
         await volume.record_damage()
     return {"stripes": len(stripes), "stripes_rebalanced": examined,
             "fragments_moved": moved, "bytes_moved": nbytes, "fragments_failed": failed}

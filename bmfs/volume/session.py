@@ -99,7 +99,7 @@ async def keep_alive(fs, mountpoint: str, task_status=trio.TASK_STATUS_IGNORED) 
 async def confirm_devices(fs) -> None:
     """Each time this mount takes up a change of the device records (a device marked
     draining, say: Volume.devices_seq), wait until every stripe it placed before is
-    committed (being written then: DataClient.uncommitted; queued behind: kv.sync),
+    committed (being written then: DataClient.pending; queued behind: kv.sync),
     then raise ``devices_confirmed``, which keep_alive puts in the ``m/`` record at
     once. A drain waits for every live mount to confirm its mark (devices.drain): from
     then on no stripe lands on the device. Runs until cancelled."""
@@ -110,9 +110,7 @@ async def confirm_devices(fs) -> None:
         seq = volume.devices_seq
         # (writes end, stored or failed, within the transport's timeouts; a drain
         # does not wait for a mount longer than devices.MOUNTS_TIMEOUT)
-        placed_before = set(volume.data.uncommitted)
-        while placed_before & volume.data.uncommitted:
-            await trio.sleep(0.05)
+        await volume.data.pending.settled(volume.data.pending.now())
         try:
             await fs.kv.sync()
         except FsError as e:  # etcd unreachable, say: drain waits (up to its limit)
@@ -145,4 +143,4 @@ async def leads_repair(fs) -> bool:
 
 async def sweep_orphans(fs) -> int:
     """Free inodes that dead mounts held unlinked-but-open (a periodic task)."""
-    return await fs.files.reap_orphans(fs.views.get(0))
+    return await fs.files.orphans.reap_orphans(fs.views.get(0))

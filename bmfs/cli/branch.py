@@ -69,7 +69,11 @@ def add_parser(sub):
 
 def _do(args, op, **kw) -> int:
     mp = os.path.abspath(args.mount) if args.mount else mount_root_of(os.getcwd())
-    result = control(mp, op, **kw)
+    if op == "merge":  # (long on large trees: a bar on a terminal)
+        from .progress import Bar, in_mount
+        result = in_mount(mp, op, Bar("merge", "keys"), **kw)
+    else:
+        result = control(mp, op, **kw)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -22,7 +22,7 @@ from .. import metrics
 from ..errors import FsError, NotFound
 from ..vfs.control import Caller
 from ..vfs.fs import Attr
-from ..vfs.views import CTL_FILE, VIEW_SHIFT
+from ..vfs.views import CTL_FILE, CTL_PROGRESS, VIEW_SHIFT
 from .idle import IdleSpin
 
 log = logging.getLogger(__name__)
@@ -341,6 +341,8 @@ class Operations(pyfuse3.Operations):
             await self.fs.control.load_group()
             fh = self.fs.control.open(Caller.of_process(ctx.uid, ctx.gid, ctx.pid))
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
+        if inode == CTL_PROGRESS:  # (read afresh at every open: never cached)
+            return pyfuse3.FileInfo(fh=self.fs.control.open_progress(), direct_io=True)
         fh = await self.fs.open(inode, self._kernel_flags(flags))
         stale = self.fs.files.client_stale(fh)  # changed by another mount (close-to-open)
         try:

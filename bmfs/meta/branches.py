@@ -191,7 +191,7 @@ async def _delete_tree(kv, kind: str, key: bytes, name: str, collect: bool) -> d
     return {"freed_layers": await collect_layers(kv) if collect else None}
 
 
-async def collect_pending(kv) -> int | None:
+async def collect_pending(kv, progress=None) -> int | None:
     """Collect the layers of the trees deleted with ``collect=False`` (collect_layers):
     how many were freed, or None if none was pending. The mark is cleared only if no
     other delete came meanwhile (that one's layers may be missed by this pass): each
@@ -200,7 +200,7 @@ async def collect_pending(kv) -> int | None:
     mark = await kv.get(keys.COLLECT_LAYERS)
     if mark is None:
         return None
-    freed = await collect_layers(kv)
+    freed = await collect_layers(kv, progress=progress)
 
     async def fn(txn):
         if await txn.get(keys.COLLECT_LAYERS) == mark:
@@ -264,14 +264,15 @@ async def live_layers(kv) -> set[int]:
     return live
 
 
-async def collect_layers(kv, batch: int = 500) -> int:
+async def collect_layers(kv, batch: int = 500, progress=None) -> int:
     """Delete every layer no branch or snapshot uses, with its keys and references;
     then the versions that layers kept under another hide (prune_shadowed).
 
     Safe beside other mounts' branch operations: a layer made after the pass read the
     heads (numbered from the layer counter read before them) is never taken for dead;
     a layer a head left meanwhile (a reset) is taken for live, and left to the next
-    pass. It yields to the event loop after each page of keys it reads."""
+    pass. It yields to the event loop after each page of keys it reads.
+    ``progress(done, total)`` is told of the kinds of keys gone through (a bar's)."""
     first_new = int(await kv.get(keys.counter("layer")) or 2)
     live = await live_layers(kv)
     layer_rows = await kv.range(*keys.span(keys.LAYER_PREFIX))
@@ -279,7 +280,10 @@ async def collect_layers(kv, batch: int = 500) -> int:
     if not dead:
         await _prune(kv)
         return 0
-    for prefix in keys.LAYERED_PREFIXES:
+    steps = len(keys.LAYERED_PREFIXES) + 1
+    for n, prefix in enumerate(keys.LAYERED_PREFIXES):
+        if progress:
+            progress(n, steps)
         start = prefix
         while True:
             rows = await kv.range(start, prefix_end(prefix), GC_PAGE)
@@ -297,6 +301,8 @@ async def collect_layers(kv, batch: int = 500) -> int:
             txn.delete(k)
         await kv.commit(txn)
     await _prune(kv)
+    if progress:
+        progress(steps, steps)
     return len(dead)
 
 
@@ -654,8 +660,10 @@ class _Merge:
     def winner(self) -> Chain | None:
         return {"theirs": self.cs, "ours": self.ct}.get(self.strategy)
 
-    async def by_key(self, subs) -> None:
-        for sub in subs:
+    async def by_key(self, subs, progress=None) -> None:
+        for n, sub in enumerate(subs, 1):
+            if progress and n % 256 == 0:
+                progress(n, len(subs))
             sv, bv, tv = (await self.val(self.cs, sub), await lget(self.txn, self.base, sub),
                           await self.val(self.ct, sub))
             if _same_but_read(sub, sv, bv) or sv == tv:
@@ -905,7 +913,10 @@ async def _source_unchanged(txn, name: str, chain: Chain) -> None:
         raise Busy(f"snapshot {name!r} changed during the merge; try again")
 
 
-async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> dict:
+async def op_merge(kv, source: str, into: str, strategy: str | None = None,
+                   progress=None) -> dict:
+    """Merge tree ``source`` into branch ``into``; ``progress(done, total)`` is told of
+    the changed keys compared (a bar's)."""
     if strategy not in (None, "theirs", "ours"):
         raise Invalid("strategy is theirs or ours")
     if source == into:
@@ -950,7 +961,7 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
         if skind == "snapshot":  # (a branch's layers below its head stay as they are)
             await _source_unchanged(txn, source, cs)
         m = _Merge(txn, kv, cs, base, ct, strategy, dsubs)
-        await m.by_key(subs)
+        await m.by_key(subs, progress)
         await m.settle()
         for sub, value in m.plan.items():
             if sub.startswith(keys.CHUNK_PREFIX):
@@ -962,5 +973,7 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
                 await lput(txn, ct, sub, value)
         return list(m.plan), m.resolved
     plan, nconf = await kv.transact(three_way)
+    if progress:
+        progress(len(subs), len(subs))
     return {"result": "merged", "applied": len(plan), "conflicts_resolved": nconf,
             "strategy": strategy, TOUCHED: (into, set(plan))}

@@ -5,6 +5,8 @@ import os
 import pty
 import subprocess
 
+import pytest
+
 from mountutil import BMFS, Mounted, bmfs, mkfs
 
 
@@ -80,6 +82,14 @@ def test_a_scrub_inside_a_mount_shows_the_mounts_progress(tmp_path):
         r = bmfs("scrub", mp, "--json", "--limit", "8M")
         assert r.stderr == ""
         json.loads(r.stdout)
+        # nothing under way now; and the progress file takes no requests, even root's
+        assert json.loads((mp / ".bm" / "progress").read_text()) == []
+        fd = os.open(mp / ".bm" / "progress", os.O_WRONLY)
+        try:
+            with pytest.raises(PermissionError):
+                os.write(fd, b'{"op": "repair"}')
+        finally:
+            os.close(fd)
         r = bmfs("branch", "create", "b", "-m", mp)
         (mp / ".bm" / "branches" / "b" / "g").write_bytes(b"x")
         status, out, shown = on_terminal("merge", "b", "--into", "main", "-m", mp)

@@ -106,13 +106,14 @@ def translate(fn):
             raise pyfuse3.FUSEError(errno.EIO)
         finally:
             idle.end()
-            count.inc()
-            seconds.observe(time.perf_counter() - t0)
+            if metrics.ON:
+                count.inc()
+                seconds.observe(time.perf_counter() - t0)
     return wrapper
 
 
 def _count_error(op: str, err: int) -> None:
-    if op != "lookup" or err != errno.ENOENT:  # (a name looked up and not there: usual)
+    if metrics.ON and (op != "lookup" or err != errno.ENOENT):  # (a name looked up and not there: usual)
         metrics.FUSE_ERRORS.labels(op, errno.errorcode.get(err, str(err))).inc()
 
 
@@ -365,7 +366,8 @@ class Operations(pyfuse3.Operations):
         if self.fs.control.owns(fh):
             return self.fs.control.read(fh, off, size)
         data = await self.fs.files.read(fh, off, size)
-        _READ_BYTES.inc(len(data))
+        if metrics.ON:
+            _READ_BYTES.inc(len(data))
         return data
 
     @translate
@@ -373,7 +375,8 @@ class Operations(pyfuse3.Operations):
         if self.fs.control.owns(fh):
             return await self.fs.control.write(fh, buf)
         n = await self.fs.files.write(fh, off, buf)
-        _WRITE_BYTES.inc(n)
+        if metrics.ON:
+            _WRITE_BYTES.inc(n)
         return n
 
     @translate

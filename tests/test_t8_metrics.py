@@ -174,3 +174,18 @@ def test_metrics_address_in_use_is_one_line_and_nothing_starts(tmp_path):
         assert not _listening(node_port) and not (tmp_path / "d0").exists()
     finally:
         busy.close()
+
+
+def test_metrics_on_an_address_others_reach_is_logged_as_unauthenticated(tmp_path):
+    """Off loopback the endpoint serves as asked, and the mount's log says anyone who
+    reaches it reads the metrics; on loopback (the default host) nothing is said."""
+    vol, mp = tmp_path / "vol", tmp_path / "mnt"
+    bmfs("mkfs", vol)
+    wide, local = free_ports(2)
+    with Mounted(vol, mp, "--metrics", f"0.0.0.0:{wide}"):
+        assert "bmfs_fuse_operations_total" in str(scrape(wide))
+    assert "have no authentication" in (vol / "mount.log").read_text()
+    (vol / "mount.log").write_text("")
+    with Mounted(vol, mp, "--metrics", str(local)):
+        assert "bmfs_fuse_operations_total" in str(scrape(local))
+    assert "authentication" not in (vol / "mount.log").read_text()

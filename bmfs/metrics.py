@@ -4,7 +4,8 @@ endpoint that serves them (``--metrics ADDR``; docs/operations.md lists them).
 Caveats first: the endpoint has no authentication. It binds the loopback address
 unless an address is given; one that other machines reach is logged as a warning.
 Counters and histograms are counted where the work is done (fuse/ops.py,
-data/client.py, kv/etcd.py, node/server.py); state (repair backlog, write-behind
+data/client.py, kv/etcd.py, node/server.py; the per-request ones only in a process
+that serves them: ``ON``); state (repair backlog, write-behind
 queue, devices) is read when scraped, from *sources* the daemon registers
 (``add_source``): functions returning ``(gauge name, label values, value)`` rows.
 Nothing here imports the rest of bmfs: it is a leaf, usable from every layer.
@@ -22,6 +23,9 @@ from prometheus_client.core import GaugeMetricFamily
 log = logging.getLogger(__name__)
 
 REGISTRY = CollectorRegistry()
+# whether this process serves metrics (start): the hot paths (a FUSE request, a stripe
+# read, a node request) count only then, as counting costs microseconds each
+ON = False
 for _c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*
     REGISTRY.register(_c)
 
@@ -172,10 +176,12 @@ def start(text: str):
         ValueError: a malformed address.
         OSError: the address cannot be bound (e.g. EADDRINUSE).
     """
+    global ON
     from prometheus_client import disable_created_metrics, start_http_server
     host, port = parse_address(text)
     disable_created_metrics()  # (a _created series beside each counter: noise here)
     server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+    ON = True
     if not is_loopback(host):
         log.warning("metrics at %s:%d have no authentication: anyone who reaches that "
                     "address reads them (firewall it, or bind 127.0.0.1)", host, port)

@@ -673,12 +673,12 @@ def test_collecting_deleted_trees_later_keeps_the_mark_of_a_newer_delete(tmp_pat
 
         real = layer_gc.collect_layers
 
-        async def another_pass_and_a_delete_meanwhile(kv):
+        async def another_pass_and_a_delete_meanwhile(kv, **kw):
             layer_gc.collect_layers = real
             assert await br.collect_pending(kv) == 0  # another mount's pass ends first
             assert await kv.get(keys.COLLECT_LAYERS) is None
             await br.op_branch_delete(kv, "b", collect=False)  # then a delete marks again
-            return await real(kv)
+            return await real(kv, **kw)
         layer_gc.collect_layers = another_pass_and_a_delete_meanwhile
         try:
             assert await br.collect_pending(fs.kv) == 1  # the branch's own layer

@@ -156,7 +156,7 @@ def test_posix_semantics(mnt):
     assert s.f_namemax == 255 and s.f_blocks > 0
     # the control dir is hidden but enterable
     assert ".bm" not in os.listdir(m)
-    assert sorted(os.listdir(f"{m}/.bm")) == ["branches", "ctl", "snapshots"]
+    assert sorted(os.listdir(f"{m}/.bm")) == ["branches", "ctl", "progress", "snapshots"]
     # locks are kept by the kernel for this mount
     with open(f"{m}/x", "rb") as f:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,5 +1,6 @@
 """Level 6: the Prometheus endpoints of a real mount and a real storage node
 (--metrics), scraped over HTTP after doing I/O; an address in use."""
+import json
 import os
 import socket
 import subprocess
@@ -119,6 +120,15 @@ def test_a_scraped_mount_and_node_count_what_was_done(tmp_path):
                     'bmfs_device_healthy{device="0"}') == 0, "device 0 unhealthy")
                 wait_for(lambda: scrape(mount_metrics).get(
                     "bmfs_repair_backlog_fragments", 0) > 0, "a repair backlog")
+                # bmfs status: this mount as the volume's client; a backlog of the dead
+                # node's fragments, in the stripes it says are short
+                st = json.loads(bmfs("status", mp, "--json").stdout)
+                assert [c["mountpoint"] for c in st["clients"]] == [str(mp)]
+                b = st["repair_backlog"]
+                assert b["stripes"] == st["stripes_short"] > 0
+                # (those reads found missing are queued; the others on a dead device)
+                assert b["queued"] + b["on_missing_devices"] == b["fragments"] == \
+                    _devices(mp)[0]["fragments"] > 0 and b["on_missing_devices"] > 0
                 cluster.start()
         finally:
             proc.kill()
@@ -164,3 +174,18 @@ def test_metrics_address_in_use_is_one_line_and_nothing_starts(tmp_path):
         assert not _listening(node_port) and not (tmp_path / "d0").exists()
     finally:
         busy.close()
+
+
+def test_metrics_on_an_address_others_reach_is_logged_as_unauthenticated(tmp_path):
+    """Off loopback the endpoint serves as asked, and the mount's log says anyone who
+    reaches it reads the metrics; on loopback (the default host) nothing is said."""
+    vol, mp = tmp_path / "vol", tmp_path / "mnt"
+    bmfs("mkfs", vol)
+    wide, local = free_ports(2)
+    with Mounted(vol, mp, "--metrics", f"0.0.0.0:{wide}"):
+        assert "bmfs_fuse_operations_total" in str(scrape(wide))
+    assert "have no authentication" in (vol / "mount.log").read_text()
+    (vol / "mount.log").write_text("")
+    with Mounted(vol, mp, "--metrics", str(local)):
+        assert "bmfs_fuse_operations_total" in str(scrape(local))
+    assert "authentication" not in (vol / "mount.log").read_text()

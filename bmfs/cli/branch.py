@@ -108,7 +108,11 @@ def _current(args, op: str) -> str:
 def _do(args, op, **kw) -> int:
     mp = _mountpoint(args)
     try:
-        result = control(mp, op, **kw)
+        if op == "merge":  # (long on large trees: a bar on a terminal)
+            from .progress import Bar, in_mount
+            result = in_mount(mp, op, Bar("merge", "keys"), **kw)
+        else:
+            result = control(mp, op, **kw)
     except ControlError as e:
         if "conflicts" not in e.reply:
             raise

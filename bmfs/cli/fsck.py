@@ -17,6 +17,7 @@ def run(args) -> int:
     from ..errors import MetaDamaged
     from ..volume.fsck import fsck, fsck_records
     from ..volume.volume import Volume
+    from .progress import Bar
 
     async def main():
         try:
@@ -25,7 +26,8 @@ def run(args) -> int:
             problems, notes = await fsck_records(args.volume, args.full)
             return problems or [str(e)], notes
         try:
-            return await fsck(vol, full=args.full, repair=args.repair)
+            with Bar("fsck") as bar:
+                return await fsck(vol, full=args.full, repair=args.repair, progress=bar)
         finally:
             await vol.aclose()
     problems, notes = run_trio(main)

@@ -48,10 +48,13 @@ def run_op(args, op, **kw) -> int:
     if not target:
         raise UserError("which volume? give --volume DIR or --mount MOUNTPOINT")
     mp = _mount_of(target)
-    if mp:
-        result = control(mp, op, **kw)
-    else:
-        result = run_trio(_offline, target, op, kw)
+    from .progress import Bar, in_mount
+    with Bar(op) as bar:
+        if mp:
+            result = in_mount(mp, op, bar, **kw) if op in _PROGRESSING else \
+                control(mp, op, **kw)
+        else:
+            result = run_trio(_offline, target, op, kw, bar)
     if getattr(args, "json", False):
         print(json.dumps(result, indent=2))
     else:
@@ -103,17 +106,15 @@ def _why(short: dict) -> str:
     return ", ".join(f"{n} {WHY.get(why, why)}" for why, n in sorted(short.items()))
 
 
-async def _offline(path, op, kw):
+# what a mount reports the progress of (vfs/control.py PROGRESSING)
+_PROGRESSING = ("repair", "scrub", "rebalance", "drain")
+
+
+async def _offline(path, op, kw, bar):
     from ..volume.admin import DEVICE_OPS
     from ..volume.volume import Volume
     vol = await Volume.open(path)
-
-    def progress(done, total):
-        if sys.stderr.isatty() or done == total:
-            sys.stderr.write(f"\r{op}: {done}/{total} stripes")
-            if done == total:
-                sys.stderr.write("\n")
     try:
-        return await DEVICE_OPS[op](vol, progress=progress, **kw)
+        return await DEVICE_OPS[op](vol, progress=bar, **kw)
     finally:
         await vol.aclose()

@@ -249,10 +249,11 @@ class DataClient:
         or a read-only memoryview (no copy of a large reply) when not clipped."""
         t0 = time.perf_counter()
         data = await self._read(sid, st, offset, length)
-        if st.kind != INLINE:
-            _READS.inc()
-            _READ_S.observe(time.perf_counter() - t0)
-        _READ_B.inc(len(data))
+        if metrics.ON:
+            if st.kind != INLINE:
+                _READS.inc()
+                _READ_S.observe(time.perf_counter() - t0)
+            _READ_B.inc(len(data))
         return bytes(data) if len(data) < length and isinstance(data, memoryview) else data
 
     async def _read(self, sid: int, st: Stripe, offset: int, length: int):

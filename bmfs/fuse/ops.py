@@ -22,7 +22,7 @@ from .. import metrics
 from ..errors import FsError, NotFound
 from ..vfs.control import Caller
 from ..vfs.fs import Attr
-from ..vfs.views import CTL_FILE, VIEW_SHIFT
+from ..vfs.views import CTL_FILE, CTL_PROGRESS, VIEW_SHIFT
 from .idle import IdleSpin
 
 log = logging.getLogger(__name__)
@@ -106,13 +106,14 @@ def translate(fn):
             raise pyfuse3.FUSEError(errno.EIO)
         finally:
             idle.end()
-            count.inc()
-            seconds.observe(time.perf_counter() - t0)
+            if metrics.ON:
+                count.inc()
+                seconds.observe(time.perf_counter() - t0)
     return wrapper
 
 
 def _count_error(op: str, err: int) -> None:
-    if op != "lookup" or err != errno.ENOENT:  # (a name looked up and not there: usual)
+    if metrics.ON and (op != "lookup" or err != errno.ENOENT):  # (a name looked up and not there: usual)
         metrics.FUSE_ERRORS.labels(op, errno.errorcode.get(err, str(err))).inc()
 
 
@@ -341,6 +342,8 @@ class Operations(pyfuse3.Operations):
             await self.fs.control.load_group()
             fh = self.fs.control.open(Caller.of_process(ctx.uid, ctx.gid, ctx.pid))
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
+        if inode == CTL_PROGRESS:  # (read afresh at every open: never cached)
+            return pyfuse3.FileInfo(fh=self.fs.control.open_progress(), direct_io=True)
         fh = await self.fs.open(inode, self._kernel_flags(flags))
         stale = self.fs.files.client_stale(fh)  # changed by another mount (close-to-open)
         try:
@@ -363,7 +366,8 @@ class Operations(pyfuse3.Operations):
         if self.fs.control.owns(fh):
             return self.fs.control.read(fh, off, size)
         data = await self.fs.files.read(fh, off, size)
-        _READ_BYTES.inc(len(data))
+        if metrics.ON:
+            _READ_BYTES.inc(len(data))
         return data
 
     @translate
@@ -371,7 +375,8 @@ class Operations(pyfuse3.Operations):
         if self.fs.control.owns(fh):
             return await self.fs.control.write(fh, buf)
         n = await self.fs.files.write(fh, off, buf)
-        _WRITE_BYTES.inc(n)
+        if metrics.ON:
+            _WRITE_BYTES.inc(n)
         return n
 
     @translate

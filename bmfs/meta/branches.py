@@ -95,7 +95,7 @@ async def _delete_tree(kv, kind: str, key: bytes, name: str, collect: bool) -> d
     return {"freed_layers": await layer_gc.collect_layers(kv) if collect else None}
 
 
-async def collect_pending(kv) -> int | None:
+async def collect_pending(kv, progress=None) -> int | None:
     """Collect the layers of the trees deleted with ``collect=False`` (collect_layers):
     how many were freed, or None if none was pending. The mark is cleared only if no
     other delete came meanwhile (that one's layers may be missed by this pass): each
@@ -104,7 +104,7 @@ async def collect_pending(kv) -> int | None:
     mark = await kv.get(keys.COLLECT_LAYERS)
     if mark is None:
         return None
-    freed = await layer_gc.collect_layers(kv)
+    freed = await layer_gc.collect_layers(kv, progress=progress)
 
     async def fn(txn):
         if await txn.get(keys.COLLECT_LAYERS) == mark:

@@ -26,14 +26,15 @@ log = logging.getLogger(__name__)
 GC_PAGE = 1000
 
 
-async def collect_layers(kv, batch: int = 500) -> int:
+async def collect_layers(kv, batch: int = 500, progress=None) -> int:
     """Delete every layer no branch or snapshot uses, with its keys and references;
     then the versions that layers kept under another hide (prune_shadowed).
 
     Safe beside other mounts' branch operations: a layer made after the pass read the
     heads (numbered from the layer counter read before them) is never taken for dead;
     a layer a head left meanwhile (a reset) is taken for live, and left to the next
-    pass. It yields to the event loop after each page of keys it reads."""
+    pass. It yields to the event loop after each page of keys it reads.
+    ``progress(done, total)`` is told of the kinds of keys gone through (a bar's)."""
     first_new = int(await kv.get(keys.counter("layer")) or 2)
     live = await trees.live_layers(kv)
     layer_rows = await kv.range(*keys.span(keys.LAYER_PREFIX))
@@ -41,7 +42,10 @@ async def collect_layers(kv, batch: int = 500) -> int:
     if not dead:
         await _prune(kv)
         return 0
-    for prefix in keys.LAYERED_PREFIXES:
+    steps = len(keys.LAYERED_PREFIXES) + 1
+    for n, prefix in enumerate(keys.LAYERED_PREFIXES):
+        if progress:
+            progress(n, steps)
         start = prefix
         while True:
             rows = await kv.range(start, prefix_end(prefix), GC_PAGE)
@@ -59,6 +63,8 @@ async def collect_layers(kv, batch: int = 500) -> int:
             txn.delete(k)
         await kv.commit(txn)
     await _prune(kv)
+    if progress:
+        progress(steps, steps)
     return len(dead)
 
 

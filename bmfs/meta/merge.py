@@ -122,7 +122,7 @@ class _Merge:
     def winner(self) -> Chain | None:
         return {"theirs": self.cs, "ours": self.ct}.get(self.strategy)
 
-    async def by_key(self, subs) -> None:
+    async def by_key(self, subs, progress=None) -> None:
         # files whose chunks each side changed (their mtimes: _merge_inode)
         rewrote: dict[str, set[int]] = {"s": set(), "t": set()}
         for sub in subs:
@@ -131,7 +131,9 @@ class _Merge:
                 for side, chain in (("s", self.cs), ("t", self.ct)):
                     if await self.val(chain, sub) != bv:
                         rewrote[side].add(keys.ino_of(sub))
-        for sub in subs:
+        for n, sub in enumerate(subs, 1):
+            if progress and n % 256 == 0:
+                progress(n, len(subs))
             sv, bv, tv = (await self.val(self.cs, sub), await lget(self.txn, self.base, sub),
                           await self.val(self.ct, sub))
             if same_but_read(sub, sv, bv) or sv == tv:
@@ -383,7 +385,10 @@ async def _source_unchanged(txn, name: str, chain: Chain) -> None:
         raise Busy(f"snapshot {name!r} changed during the merge; try again")
 
 
-async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> dict:
+async def op_merge(kv, source: str, into: str, strategy: str | None = None,
+                   progress=None) -> dict:
+    """Merge tree ``source`` into branch ``into``; ``progress(done, total)`` is told of
+    the changed keys compared (a bar's)."""
     if strategy not in (None, "theirs", "ours"):
         raise Invalid("strategy is theirs or ours")
     if source == into:
@@ -428,7 +433,7 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
         if skind == "snapshot":  # (a branch's layers below its head stay as they are)
             await _source_unchanged(txn, source, cs)
         m = _Merge(txn, kv, cs, base, ct, strategy, dsubs)
-        await m.by_key(subs)
+        await m.by_key(subs, progress)
         await m.settle()
         for sub, value in m.plan.items():
             if sub.startswith(keys.CHUNK_PREFIX):
@@ -446,5 +451,7 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None) -> d
                 planned.append(keys.inode(ino))
         return planned, m.resolved
     plan, nconf = await kv.transact(three_way)
+    if progress:
+        progress(len(subs), len(subs))
     return {"result": "merged", "applied": len(plan), "conflicts_resolved": nconf,
             "strategy": strategy, TOUCHED: (into, set(plan))}

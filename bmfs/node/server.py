@@ -350,7 +350,8 @@ class NodeServer:
         except OSError as e:
             resp, parts = pb.Response(errno=e.errno or errno.EIO, error=str(e)), ()
         resp.id = req.id
-        _count(req.op, resp, payload, t0)
+        if metrics.ON:
+            _count(req.op, resp, payload, t0)
         try:
             conn.send(resp, parts)
         finally:

@@ -3,7 +3,11 @@
 ``/.bm/branches/NAME`` and ``/.bm/snapshots/NAME`` are the roots of those trees (each
 a view, see views.py); ``/.bm/ctl`` is the control file through which the CLI sends
 commands to a running mount: write one JSON request, read one JSON reply on the same
-handle. ``.bm`` is not listed in the root directory but can always be entered.
+handle. ``/.bm/progress`` (read-only, anyone) reads as a JSON list of the long
+operations under way (op, pid of the process that asked, done, total): the CLI
+draws its bars from it, as a request on ``ctl`` would wait for the kernel's lock of
+that file, which the long operation's own request holds. ``.bm`` is not listed in
+the root directory but can always be entered.
 
 Who may send what (docs/operations.md, "Threat model"): anyone may open the control
 file (mode 0666, owner root, group the volume's admin group) and send a read-only
@@ -30,7 +34,8 @@ from ..config import group_id
 from ..errors import Access, FsError, Invalid, NotDir, NotFound, NotSupported
 from ..meta import branches, diff, keys, merge, trees
 from .attr import Attr
-from .views import (CTL_BRANCHES, CTL_FILE, CTL_ROOT, CTL_SNAPSHOTS, VIEW_SHIFT)
+from .views import (CTL_BRANCHES, CTL_FILE, CTL_PROGRESS, CTL_ROOT, CTL_SNAPSHOTS,
+                    VIEW_SHIFT)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,8 @@ SERVED_FROM_ABOVE = ("status", "devices", "repair", "scrub", "rebalance", "drain
 # a request's handler: called with the request's checked fields, it returns the reply's
 # result (JSON-able) or raises FsError
 Handler = Callable[..., Awaitable[object]]
+# the operations whose progress /.bm/progress reports
+PROGRESSING = ("repair", "scrub", "rebalance", "drain", "merge")
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
                type(None): "null"}
 
@@ -90,6 +97,7 @@ class Caller:
     uid: int
     gid: int
     groups: frozenset = field(default_factory=frozenset)
+    pid: int = 0  # its process (whose long operations' progress it is: Control.running)
 
     @classmethod
     def of_process(cls, uid: int, gid: int, pid: int) -> "Caller":
@@ -97,15 +105,18 @@ class Caller:
         groups of process ``pid`` (from /proc, as libfuse's fuse_getgroups does; none if
         it cannot be read: the process is gone, or in another pid namespace)."""
         groups: set[int] = set()
+        tgid = pid  # (FUSE gives the thread's id: its process is the Tgid)
         try:
             with open(f"/proc/{pid}/status") as f:
                 for line in f:
-                    if line.startswith("Groups:"):
+                    if line.startswith("Tgid:"):
+                        tgid = int(line.split()[1])
+                    elif line.startswith("Groups:"):
                         groups = {int(g) for g in line.split()[1:]}
                         break
         except (OSError, ValueError):
             pass
-        return cls(uid, gid, frozenset(groups))
+        return cls(uid, gid, frozenset(groups), tgid)
 
 
 IN_PROCESS = Caller(0, 0)  # a program that opened the volume itself (no FUSE request)
@@ -157,6 +168,10 @@ class Control:
         self.kv = fs.kv
         self._replies: dict[int, bytes] = {}
         self._callers: dict[int, Caller] = {}  # who opened each handle
+        # long operations under way: handle -> {op, pid, done, total} (/.bm/progress
+        # lists them; the CLI shows its own as a bar)
+        self.running: dict[int | str, dict] = {}
+        self._read_only: set[int] = set()  # handles of /.bm/progress
         self._next = 1 << 40  # control handles live apart from file handles
         self._t = time.time_ns()
         settings = getattr(getattr(fs, "volume", None), "settings", None)
@@ -175,13 +190,16 @@ class Control:
         if fino == CTL_FILE:
             # anyone may open it to ask; what a request may do is checked per request
             return Attr(fino, stat.S_IFREG | 0o666, 1, 0, self.admin_gid or 0, 0, 0, t, t, t)
+        if fino == CTL_PROGRESS:
+            return Attr(fino, stat.S_IFREG | 0o444, 1, 0, 0, 0, 0, t, t, t)
         if fino in (CTL_ROOT, CTL_BRANCHES, CTL_SNAPSHOTS):
             return Attr(fino, stat.S_IFDIR | 0o755, 2, 0, 0, 0, 0, t, t, t)
         raise NotFound()
 
     async def lookup(self, parent: int, name: bytes):
         if parent == CTL_ROOT:
-            table = {b"branches": CTL_BRANCHES, b"snapshots": CTL_SNAPSHOTS, b"ctl": CTL_FILE}
+            table = {b"branches": CTL_BRANCHES, b"snapshots": CTL_SNAPSHOTS, b"ctl": CTL_FILE,
+                     b"progress": CTL_PROGRESS}
             if name == b"ctl":  # its group is the admin group's: as stored now
                 await self.load_group()
             if name in table:
@@ -200,6 +218,7 @@ class Control:
         if fino == CTL_ROOT:
             return [(b"branches", self.getattr(CTL_BRANCHES)),
                     (b"ctl", self.getattr(CTL_FILE)),
+                    (b"progress", self.getattr(CTL_PROGRESS)),
                     (b"snapshots", self.getattr(CTL_SNAPSHOTS))]
         kind = "branch" if fino == CTL_BRANCHES else "snapshot"
         names = await trees.list_names(self.kv, kind)
@@ -217,6 +236,13 @@ class Control:
         self._next += 1
         self._replies[fh] = b""
         self._callers[fh] = caller
+        return fh
+
+    def open_progress(self) -> int:
+        """A handle of /.bm/progress: it reads as the operations under way now."""
+        fh = self.open()
+        self._read_only.add(fh)
+        self._replies[fh] = json.dumps(list(self.running.values())).encode() + b"\n"
         return fh
 
     async def load_group(self) -> None:
@@ -245,6 +271,8 @@ class Control:
         Raises:
             Access: as above.
         """
+        if fh in self._read_only:  # (root may open it for writing: 0444 binds no root)
+            raise Access("/.bm/progress is read-only: requests go to /.bm/ctl")
         refused = None
         try:
             try:
@@ -252,7 +280,14 @@ class Control:
             except (ValueError, RecursionError) as e:
                 raise Invalid(f"bad request: not JSON ({e})") from None
             op, args = check_request(req, self._callers[fh], self.admin_gid)
-            result = await self.run(op, args)
+            if op in PROGRESSING:
+                entry = self.running[fh] = {"op": op, "pid": self._callers[fh].pid,
+                                            "done": 0, "total": 0}
+                args = dict(args, progress=progress_into(entry))
+            try:
+                result = await self.run(op, args)
+            finally:
+                self.running.pop(fh, None)
             reply = {"ok": True, "result": result}
         except Access as e:
             refused = e
@@ -274,6 +309,7 @@ class Control:
     def release(self, fh: int) -> None:
         self._replies.pop(fh, None)
         self._callers.pop(fh, None)
+        self._read_only.discard(fh)
 
     async def _invalidate(self, branch: str, subs) -> None:
         """Drop the kernel's cached attributes, data and names for what changed."""
@@ -305,6 +341,8 @@ class Control:
             return {"admin_group": self._group, "gid": self.admin_gid}
         if op == "set_admin_group":
             return await self._set_group(args["group"])
+        if op != "merge":
+            args.pop("progress", None)
         fn = _TREE_OPS[op]
         deleting = op in ("branch_delete", "snapshot_delete")
         if deleting:
@@ -332,6 +370,13 @@ class Control:
         if self.fs.notify is not None:  # the control file's group changed
             await self.fs.notify.inode(CTL_FILE)
         return {"admin_group": self._group, "gid": gid}
+
+
+def progress_into(entry: dict):
+    """A ``progress(done, total)`` callback that records into ``entry``."""
+    def progress(done: int, total: int) -> None:
+        entry["done"], entry["total"] = done, total
+    return progress
 
 
 async def read_admin_group(kv) -> str | None:

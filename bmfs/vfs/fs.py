@@ -29,8 +29,8 @@ from .attr import Attr, attr_of
 from .files import Files
 from .orphans import unclaimed
 from .held import HeldDirs
-from .views import (CTL_BRANCHES, CTL_FILE, CTL_NAME, CTL_ROOT, CTL_SNAPSHOTS, CTL_VIEW,
-                    INO_MASK, VIEW_SHIFT, Views)
+from .views import (CTL_BRANCHES, CTL_FILE, CTL_NAME, CTL_PROGRESS, CTL_ROOT, CTL_SNAPSHOTS,
+                    CTL_VIEW, INO_MASK, VIEW_SHIFT, Views)
 
 log = logging.getLogger(__name__)
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
@@ -766,6 +766,8 @@ class FileSystem:
     async def open(self, fino: int, flags: int) -> int:
         if fino == CTL_FILE:
             return self.control.open()
+        if fino == CTL_PROGRESS:
+            return self.control.open_progress()
         if fino >> VIEW_SHIFT == CTL_VIEW:
             raise IsDir()
         if (flags & os.O_ACCMODE) != os.O_RDONLY or flags & os.O_TRUNC:

@@ -28,6 +28,7 @@ CTL_ROOT = CTL_VIEW << VIEW_SHIFT | 1       # /.bm
 CTL_BRANCHES = CTL_VIEW << VIEW_SHIFT | 2   # /.bm/branches
 CTL_SNAPSHOTS = CTL_VIEW << VIEW_SHIFT | 3  # /.bm/snapshots
 CTL_FILE = CTL_VIEW << VIEW_SHIFT | 4       # /.bm/ctl
+CTL_PROGRESS = CTL_VIEW << VIEW_SHIFT | 5   # /.bm/progress
 CTL_NAME = b".bm"
 
 

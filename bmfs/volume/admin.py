@@ -27,7 +27,8 @@ def install(fs) -> None:
     volume, control = fs.volume, fs.control
 
     async def volume_status() -> dict:
-        return await status.volume_status(volume)
+        root = fs.views.by_id.get(0)  # (the tree at the mount's root: its branch)
+        return await status.volume_status(volume, branch=root and root.name)
 
     async def records() -> dict:  # every device record, removed ones too
         return {str(dev): rec for dev, rec in (await device_records(volume.kv)).items()}

@@ -142,7 +142,7 @@ async def check_refs(kv, live_layers: set[int], problems: list[str],
 
 
 async def check_fragments(volume, stripes: dict[int, Stripe], full: bool, repair: bool,
-                          problems: list[str], notes: list[str]) -> None:
+                          problems: list[str], notes: list[str], progress=None) -> None:
     data = volume.data
     expected = defaultdict(set)
     queued = {keys.stripe_of(k): Stripe.unpack(v)
@@ -154,7 +154,9 @@ async def check_fragments(volume, stripes: dict[int, Stripe], full: bool, repair
         for i, dev in enumerate(st.devices):
             if dev != NO_DEVICE:
                 expected[dev].add(fr.fragment_name(sid, i))
-    for sid, st in stripes.items():
+    for n, (sid, st) in enumerate(stripes.items(), 1):
+        if progress and (n % 64 == 0 or n == len(stripes)):
+            progress(n, len(stripes))
         if st.kind != EC:
             continue
         for i, dev in enumerate(st.devices):
@@ -241,8 +243,11 @@ async def fsck_records(path: str, full: bool) -> tuple[list[str], list[str]]:
         await kv.aclose()
 
 
-async def fsck(volume, full: bool = False, repair: bool = False) -> tuple[list[str], list[str]]:
-    """Returns (problems, notes). The volume is consistent when problems is empty."""
+async def fsck(volume, full: bool = False, repair: bool = False,
+               progress=None) -> tuple[list[str], list[str]]:
+    """Returns (problems, notes). The volume is consistent when problems is empty.
+    ``progress(done, total)``: told of the collection of deleted trees (with
+    ``repair``), then of the stripes whose fragments are checked."""
     problems: list[str] = []
     notes: list[str] = []
     try:
@@ -250,20 +255,20 @@ async def fsck(volume, full: bool = False, repair: bool = False) -> tuple[list[s
     except MetaDamaged as e:
         problems.append(str(e))
     try:
-        await _check_namespace(volume, full, repair, problems, notes)
+        await _check_namespace(volume, full, repair, problems, notes, progress)
     except MetaDamaged as e:
         problems.append(f"checks stopped at a damaged record: {e}")
     return problems, notes
 
 
 async def _check_namespace(volume, full: bool, repair: bool, problems: list[str],
-                           notes: list[str]) -> None:
+                           notes: list[str], progress=None) -> None:
     from ..vfs.views import Views
     views = Views(volume.kv)
     collecting = await volume.kv.get(keys.COLLECT_LAYERS) is not None
     if collecting and repair:
         from ..meta.branches import collect_pending
-        freed = await collect_pending(volume.kv)
+        freed = await collect_pending(volume.kv, progress)
         notes.append(f"collected {freed} layers of deleted branches and snapshots")
         collecting = await volume.kv.get(keys.COLLECT_LAYERS) is not None
     if collecting:
@@ -275,4 +280,4 @@ async def _check_namespace(volume, full: bool, repair: bool, problems: list[str]
         live.update(chain.layers)
         await check_tree(volume.kv, label, chain, problems)
     stripes = await check_refs(volume.kv, live, problems, collecting)
-    await check_fragments(volume, stripes, full, repair, problems, notes)
+    await check_fragments(volume, stripes, full, repair, problems, notes, progress)

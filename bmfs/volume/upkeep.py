@@ -110,7 +110,14 @@ async def _collect_layers(fs, asked: bool, shared: bool) -> None:
     if not asked and (await fs.kv.get(keys.COLLECT_LAYERS) is None
                       or (shared and not await session.leads_repair(fs))):
         return
-    freed = await branches.collect_pending(fs.kv)
+    from ..vfs.control import progress_into
+    entry = {"op": "collect", "pid": 0, "done": 0, "total": 0}  # ("progress" lists it)
+    running = fs.control.running if fs.control is not None else {}
+    running["collect"] = entry
+    try:
+        freed = await branches.collect_pending(fs.kv, progress_into(entry))
+    finally:
+        running.pop("collect", None)
     if freed is None:
         return
     while await fs.volume_gc() >= gc.BATCH:

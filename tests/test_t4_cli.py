@@ -60,6 +60,12 @@ def test_a_snapshot_mounted_is_read_only(volume, tmp_path):
         with pytest.raises(OSError) as e:
             os.mkdir(f"{m.mp}/d")
         assert e.value.errno == errno.EROFS
+        # branch create starts from the snapshot mounted; snapshot create needs a branch
+        bmfs("branch", "create", "fromsnap", "-m", m.mp)
+        with open(f"{m.mp}/.bm/branches/fromsnap/f") as f:
+            assert f.read() == "then\n"
+        r = bmfs("snapshot", "create", "s2", "-m", m.mp, check=False)
+        assert r.returncode == 2 and "shows snapshot 's1', not a branch" in r.stderr, r
     r = bmfs("mount", tmp_path / "n", "--volume", volume, "--branch", "nope", check=False)
     assert not os.path.exists(tmp_path / "n")  # (made for the mount, gone with it)
     assert r.returncode == 2 and "no branch or snapshot named 'nope'" in r.stderr, r

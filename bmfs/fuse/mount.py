@@ -15,7 +15,6 @@ that dead mounts held unlinked-but-open (vfs/session.py).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -59,8 +58,6 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
         shared = hasattr(volume.kv, "grant_lease")  # etcd: other mounts change devices
         volume.kv.enable_write_behind()  # etcd: commit behind (docs/etcd.md)
         ops = Operations(fs, opts.attr_timeout, idle_spin_setting())
-        if not fs.views.get(0).writable:  # a snapshot at the root: the kernel says EROFS
-            opts = dataclasses.replace(opts, read_only=True)
         fs.read_only, fs.atime = opts.read_only, opts.atime
         with libfuse_messages() as said:
             try:

@@ -249,14 +249,15 @@ def _moved(devices: dict[int, dict], nodes: dict[int, str]) -> dict[int, dict]:
 
 
 async def load(dump_path: str, volume_path: str, meta: str | None = None,
-               nodes: dict[int, str] | None = None) -> dict:
+               nodes: dict[int, str] | None = None, secret_file: str | None = None) -> dict:
     """Make a volume in the new or empty directory ``volume_path`` from the dump at
     ``dump_path``, its metadata at ``meta`` (default ``sqlite:VOLUME/meta.db``), which
     must hold nothing; returns the dump's header. The volume keeps the dump's uuid,
     settings and device records: it reads the devices the dumped volume used, where
     they were, or, for the devices in ``nodes`` (id -> HOST:PORT), from the storage
-    node serving each (then a new cluster secret is made in ``volume_path``, unless
-    one is there, for the nodes to be started with).
+    node serving each. A volume whose devices are nodes' gets the cluster secret in
+    ``secret_file`` (the dumped volume's, which its nodes hold), or a new one for the
+    nodes to be started with.
 
     Raises:
         DumpError: the dump cannot be loaded (nothing was written).
@@ -272,6 +273,13 @@ async def load(dump_path: str, volume_path: str, meta: str | None = None,
         if k.startswith(keys.DEVICE_PREFIX):
             devices[keys.device_of(k)] = json.loads(v)
     devices = _moved(devices, nodes or {})
+    secret = None
+    if secret_file is not None:
+        try:
+            with open(secret_file, "rb") as f:
+                secret = f.read()
+        except OSError as e:
+            raise VolumeError(f"--secret-file {secret_file}: {e.strerror}")
     check_new_volume_dir(volume_path)
     if os.path.exists(os.path.join(volume_path, VOLUME_FILE)):
         raise VolumeError(f"{volume_path} already holds a volume: load makes a new one "
@@ -317,9 +325,14 @@ async def load(dump_path: str, volume_path: str, meta: str | None = None,
         raise
     await kv.aclose()
     on_nodes = any(rec.get("node", "local") != "local" for rec in devices.values())
-    if on_nodes and not os.path.exists(os.path.join(volume_path, "secret")):
+    if on_nodes and secret is not None:
+        fd = os.open(os.path.join(volume_path, "secret"),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret)
+    elif on_nodes:
         from ..node.protocol import make_secret
-        make_secret(os.path.join(volume_path, "secret"))
+        make_secret(os.path.join(volume_path, "secret"))  # (unless one is there)
     info = {"magic": "bmfs-volume", "meta": meta, "uuid": header["uuid"],
             "home": os.path.realpath(volume_path), **({"secret": "secret"} if on_nodes else {})}
     _write_volume_file(volume_path, info)

@@ -60,6 +60,12 @@ def test_a_snapshot_mounted_is_read_only(volume, tmp_path):
         with pytest.raises(OSError) as e:
             os.mkdir(f"{m.mp}/d")
         assert e.value.errno == errno.EROFS
+        # branch create starts from the snapshot mounted; snapshot create needs a branch
+        bmfs("branch", "create", "fromsnap", "-m", m.mp)
+        with open(f"{m.mp}/.bm/branches/fromsnap/f") as f:
+            assert f.read() == "then\n"
+        r = bmfs("snapshot", "create", "s2", "-m", m.mp, check=False)
+        assert r.returncode == 2 and "shows snapshot 's1', not a branch" in r.stderr, r
     r = bmfs("mount", tmp_path / "n", "--volume", volume, "--branch", "nope", check=False)
     assert not os.path.exists(tmp_path / "n")  # (made for the mount, gone with it)
     assert r.returncode == 2 and "no branch or snapshot named 'nope'" in r.stderr, r
@@ -172,3 +178,24 @@ def test_a_failed_mount_says_why(public):
     assert why in r.stderr, r.stderr
     assert "fuse_session_mount" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not is_mounted(mp)
+
+
+def test_umount_gives_up_waiting_at_its_timeout(volume, tmp_path):
+    """A daemon that cannot finish (stopped here with SIGSTOP): umount unmounts, waits
+    --timeout seconds, then exits 1 naming the daemon's pid; the daemon, let go,
+    stores what was written and exits, and the data is there."""
+    import signal
+    from bmfs.proc import alive
+    with Mounted(volume, tmp_path / "mnt") as m:
+        with open(f"{m.mp}/f", "wb") as f:
+            f.write(b"x" * (1 << 20))
+        os.kill(m.pid, signal.SIGSTOP)
+        try:
+            r = bmfs("umount", m.mp, "--timeout", "1", check=False)
+            assert r.returncode == 1 and f"daemon (pid {m.pid}) is still storing" in r.stderr, r
+            assert not is_mounted(m.mp) and alive(m.pid)
+        finally:
+            os.kill(m.pid, signal.SIGCONT)
+    with Mounted(volume, tmp_path / "mnt") as m:
+        with open(f"{m.mp}/f", "rb") as f:
+            assert f.read() == b"x" * (1 << 20)

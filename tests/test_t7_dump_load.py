@@ -130,6 +130,14 @@ def test_a_sqlite_volume_moves_to_etcd(etcd_cluster, tmp_path):  # noqa: F811
         assert not os.path.exists(tmp_path / "again")
         with Mounted(dst, tmp_path / "m2") as m:
             assert _everything(m.mp) == before
+        # and back: the etcd volume dumped (a backup) and loaded into SQLite, reading
+        # the same node with the secret it holds
+        bmfs("dump", dst, tmp_path / "etcd.dump")
+        back = tmp_path / "back"
+        bmfs("load", tmp_path / "etcd.dump", back, "--secret-file", dst / "secret")
+        assert (back / "secret").read_bytes() == (dst / "secret").read_bytes()
+        with Mounted(back, tmp_path / "m3") as m:
+            assert _everything(m.mp) == before
 
 
 def test_bad_dumps_are_refused_whole(tmp_path):

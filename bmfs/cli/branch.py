@@ -88,7 +88,8 @@ def _mountpoint(args) -> str:
 
 def _current(args, op: str) -> str:
     """The branch a command acts on when none is named: the one whose directory
-    (``.bm/branches/NAME``) holds the current directory, else the mounted one."""
+    (``.bm/branches/NAME``) holds the current directory, else the mounted one (for
+    branch create, a snapshot mounted at the root is taken too)."""
     mp = _mountpoint(args)
     rel = os.path.relpath(os.getcwd(), mp).split(os.sep)
     if rel[:2] == [".bm", "branches"] and len(rel) > 2:
@@ -99,6 +100,8 @@ def _current(args, op: str) -> str:
         if e.reply.get("errno") == 22:  # a mount of a bmfs before "mounted": main
             return "main"
         raise
+    if tree["kind"] != "branch" and op == "branch_create":
+        return tree["name"]  # a branch of the snapshot mounted
     if tree["kind"] != "branch":
         raise ControlError({"error": f"{op}: the mount shows snapshot {tree['name']!r}, "
                                      f"not a branch: name the branch", "errno": 22})

@@ -1,6 +1,7 @@
 """Helpers shared by the commands: finding mounts, talking to a mount's control file."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -118,7 +119,9 @@ def control(mountpoint: str, op: str, **args):
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError as e:
-        raise UserError(f"cannot reach the control file of {mountpoint}: {e.strerror}")
+        hint = " (a read-only mount takes no requests: send them through a read-write " \
+            "mount of the volume)" if e.errno == errno.EROFS else ""
+        raise UserError(f"cannot reach the control file of {mountpoint}: {e.strerror}{hint}")
     try:
         try:
             os.write(fd, json.dumps({"op": op, **args}).encode())

@@ -32,6 +32,9 @@ def add_parser(sub):
                     help="device ID is now served by the storage node at HOST:PORT "
                     "(bmfs node serve --device ID=ITS-DIRECTORY); give one for every "
                     "device, or none (repeatable)")
+    ld.add_argument("--secret-file", metavar="FILE", help="the cluster secret the "
+                    "storage nodes hold (a dump of a volume on nodes: its VOLUME/secret); "
+                    "default: a new one, for the nodes to be started with")
     ld.set_defaults(func=run_load)
 
 
@@ -57,10 +60,11 @@ def _nodes(given: list[str]) -> dict[int, str]:
 def run_load(args) -> int:
     from ..volume.dump import load
     vol = os.path.abspath(args.volume)
-    h = run_trio(load, os.path.abspath(args.file), vol, args.meta, _nodes(args.node))
+    h = run_trio(load, os.path.abspath(args.file), vol, args.meta, _nodes(args.node),
+                 args.secret_file)
     print(f"loaded volume {h['uuid']} ({h['keys']} keys) into {vol}")
-    if h["on_nodes"]:
-        print(f"its devices are storage nodes': each serves its directory with the "
+    if h["on_nodes"] and not args.secret_file:
+        print(f"its devices are storage nodes': each serves its directory with the new "
               f"cluster secret {vol}/secret (bmfs node serve --secret-file ... "
               f"--volume-uuid {h['uuid']} --device ID=DIR)")
     return 0

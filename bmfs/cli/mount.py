@@ -86,9 +86,16 @@ def _make_mountpoint(mp) -> list[str]:
     """mkdir -p ``mp``: the directories made, outermost first."""
     made = []
     d = mp
-    while not os.path.lexists(d):
-        made.insert(0, d)
-        d = os.path.dirname(d)
+    while True:
+        try:
+            os.lstat(d)
+        except FileNotFoundError:
+            made.insert(0, d)
+            d = os.path.dirname(d)
+            continue
+        except OSError:  # there but not usable (a dead FUSE mount): said by the check
+            pass
+        break
     for d in made:
         try:
             os.mkdir(d, 0o755)

@@ -15,7 +15,6 @@ changes, orphan sweeps), and serves volume administration through the control fi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os

@@ -13,11 +13,12 @@ File format (docs/formats.md, "Dump files"), version DUMP_VERSION::
 
     b"bmfs-dump\\n"                      magic
     u32 version                          DUMP_VERSION
-    u32 n, n bytes of JSON               header: format revision, uuid, k, m, keys,
+    u32 n, n bytes of JSON               header: format revision, uuid, k, m,
                                          made (unix time), bmfs version
     records:  u32 key length, u32 value length, key, value   (values without their
                                          checksums: the loading volume seals them)
     u32 0xffffffff                       end mark
+    u64 count                            how many records there are
     32 bytes                             sha256 of everything before it
 
 All integers big-endian. A file that is truncated, damaged (its sha256 or a record's
@@ -45,7 +46,7 @@ PAGE = 1000  # keys read per range request
 # what one load transaction writes at most (etcd's default --max-txn-ops is 128 and
 # --max-request-bytes 1.5 MiB)
 BATCH_KEYS, BATCH_BYTES = 100, 1 << 20
-_U32 = struct.Struct(">I")
+_U32, _U64 = struct.Struct(">I"), struct.Struct(">Q")
 
 
 class DumpError(VolumeError):
@@ -70,7 +71,8 @@ async def _all_keys(kv):
 
 async def dump(volume_path: str, out_path: str) -> dict:
     """Write the metadata of the volume at ``volume_path`` (not mounted) to the new file
-    ``out_path`` (0600); returns the header.
+    ``out_path`` (0600), a page of keys at a time; returns the header, with ``keys``:
+    how many were written.
 
     Raises:
         VolumeError: no volume there, the volume is mounted (or its last mount
@@ -97,11 +99,17 @@ async def dump(volume_path: str, out_path: str) -> dict:
             bmfs_version = version("bmfs")
         except PackageNotFoundError:
             bmfs_version = "unknown"
-        rows = [(k, v) async for k, v in _all_keys(kv) if not _transient(k)]
+        header = {"format_revision": d["format"], "uuid": d["uuid"], "k": d["k"],
+                  "m": d["m"], "made": time.time(), "bmfs": bmfs_version}
+        header["keys"] = await _write(kv, out_path, header)
+        return header
     finally:
         await kv.aclose()
-    header = {"format_revision": d["format"], "uuid": d["uuid"], "k": d["k"], "m": d["m"],
-              "keys": len(rows), "made": time.time(), "bmfs": bmfs_version}
+
+
+async def _write(kv, out_path: str, header: dict) -> int:
+    """Write the dump file (through a temporary file, renamed when whole); returns how
+    many records it holds."""
     tmp = out_path + ".tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -116,20 +124,23 @@ async def dump(volume_path: str, out_path: str) -> dict:
                 f.write(b)
             hj = json.dumps(header).encode()
             put(MAGIC + _U32.pack(DUMP_VERSION) + _U32.pack(len(hj)) + hj)
-            for k, v in rows:
-                put(_U32.pack(len(k)) + _U32.pack(len(v)) + k + v)
-            put(_U32.pack(END))
+            count = 0
+            async for k, v in _all_keys(kv):
+                if not _transient(k):
+                    put(_U32.pack(len(k)) + _U32.pack(len(v)) + k + v)
+                    count += 1
+            put(_U32.pack(END) + _U64.pack(count))
             f.write(h.digest())
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, out_path)
+        return count
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
-    return header
 
 
 def _read(f, n: int, h, path: str) -> bytes:
@@ -167,8 +178,9 @@ def records(path: str):
             raise DumpError(f"{path}: damaged dump (a header of {n} bytes)")
         try:
             header = json.loads(_read(f, n, h, path))
-            count = int(header["keys"])
-        except (ValueError, KeyError, TypeError):
+        except ValueError:
+            header = None
+        if not isinstance(header, dict):
             raise DumpError(f"{path}: damaged dump (its header is not what bmfs writes)")
         yield header
         seen = 0
@@ -182,27 +194,28 @@ def records(path: str):
             k = _read(f, klen, h, path)
             yield k, _read(f, vlen, h, path)
             seen += 1
+        count = _U64.unpack(_read(f, 8, h, path))[0]
         digest = f.read(32)
         if len(digest) != 32:
             raise DumpError(f"{path}: truncated dump (its checksum is cut off)")
         if digest != h.digest():
             raise DumpError(f"{path}: damaged dump (its sha256 does not match)")
         if seen != count:
-            raise DumpError(f"{path}: damaged dump ({seen} keys, its header says {count})")
+            raise DumpError(f"{path}: damaged dump ({seen} records, its end says {count})")
         if f.read(1):
             raise DumpError(f"{path}: damaged dump (bytes after its checksum)")
 
 
 def check_dump(path: str) -> dict:
-    """Read the dump at ``path`` through: its header if it is whole and loadable.
+    """Read the dump at ``path`` through: its header, with ``keys`` (how many records
+    it holds), if it is whole and loadable.
 
     Raises:
         DumpError: as records(), or a format revision this bmfs does not load.
     """
     it = records(path)
     header = next(it)
-    for _ in it:
-        pass
+    header["keys"] = sum(1 for _ in it)
     if header.get("format_revision") != keys.FORMAT_REVISION:
         raise DumpError(f"{path}: a dump of volume format revision "
                         f"{header.get('format_revision')}; this bmfs loads revision "
@@ -236,14 +249,15 @@ def _moved(devices: dict[int, dict], nodes: dict[int, str]) -> dict[int, dict]:
 
 
 async def load(dump_path: str, volume_path: str, meta: str | None = None,
-               nodes: dict[int, str] | None = None) -> dict:
+               nodes: dict[int, str] | None = None, secret_file: str | None = None) -> dict:
     """Make a volume in the new or empty directory ``volume_path`` from the dump at
     ``dump_path``, its metadata at ``meta`` (default ``sqlite:VOLUME/meta.db``), which
     must hold nothing; returns the dump's header. The volume keeps the dump's uuid,
     settings and device records: it reads the devices the dumped volume used, where
     they were, or, for the devices in ``nodes`` (id -> HOST:PORT), from the storage
-    node serving each (then a new cluster secret is made in ``volume_path``, unless
-    one is there, for the nodes to be started with).
+    node serving each. A volume whose devices are nodes' gets the cluster secret in
+    ``secret_file`` (the dumped volume's, which its nodes hold), or a new one for the
+    nodes to be started with.
 
     Raises:
         DumpError: the dump cannot be loaded (nothing was written).
@@ -259,6 +273,13 @@ async def load(dump_path: str, volume_path: str, meta: str | None = None,
         if k.startswith(keys.DEVICE_PREFIX):
             devices[keys.device_of(k)] = json.loads(v)
     devices = _moved(devices, nodes or {})
+    secret = None
+    if secret_file is not None:
+        try:
+            with open(secret_file, "rb") as f:
+                secret = f.read()
+        except OSError as e:
+            raise VolumeError(f"--secret-file {secret_file}: {e.strerror}")
     check_new_volume_dir(volume_path)
     if os.path.exists(os.path.join(volume_path, VOLUME_FILE)):
         raise VolumeError(f"{volume_path} already holds a volume: load makes a new one "
@@ -304,9 +325,14 @@ async def load(dump_path: str, volume_path: str, meta: str | None = None,
         raise
     await kv.aclose()
     on_nodes = any(rec.get("node", "local") != "local" for rec in devices.values())
-    if on_nodes and not os.path.exists(os.path.join(volume_path, "secret")):
+    if on_nodes and secret is not None:
+        fd = os.open(os.path.join(volume_path, "secret"),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret)
+    elif on_nodes:
         from ..node.protocol import make_secret
-        make_secret(os.path.join(volume_path, "secret"))
+        make_secret(os.path.join(volume_path, "secret"))  # (unless one is there)
     info = {"magic": "bmfs-volume", "meta": meta, "uuid": header["uuid"],
             "home": os.path.realpath(volume_path), **({"secret": "secret"} if on_nodes else {})}
     _write_volume_file(volume_path, info)

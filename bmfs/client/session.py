@@ -31,6 +31,10 @@ from ..vfs.views import Views
 from ..vfs.volume import Volume
 
 ROOT = 1  # the root of the opened tree (view 0), in the vfs's inode numbers
+# connections kept open to each storage node (TcpTransport.pool): a batch sends its
+# requests to a node at once, one per connection, and connections beyond the pool are
+# closed once answered (opened again, with their handshake, for the next batch)
+NODE_POOL = 64
 
 
 def os_error(e: Exception, path: str | None = None) -> OSError:
@@ -66,6 +70,8 @@ class Session:
     async def open(cls, path: str, branch: str, snapshot: str | None, writable: bool,
                    nursery) -> "Session":
         volume = await Volume.open(path, shared=not writable)
+        if volume.on_nodes:
+            volume.transport.pool = NODE_POOL
         try:
             if writable and volume.kv.single_writer:
                 swept = await gc.begin_session(volume)  # as a mount: after a crash

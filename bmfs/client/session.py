@@ -28,6 +28,7 @@ from ..errors import FsError, VolumeError
 from ..vfs import gc, session
 from ..vfs.fs import FileSystem
 from ..vfs.views import Views
+from ..vfs.watch import watch_devices
 from ..vfs.volume import Volume
 
 ROOT = 1  # the root of the opened tree (view 0), in the vfs's inode numbers
@@ -87,7 +88,14 @@ class Session:
             fs.files.nursery = nursery
             s = cls(volume, fs, writable, nursery)
             if writable and not volume.kv.single_writer:
+                # as a mount: a record other mounts see (drains wait for its devices
+                # to be confirmed), and the device records' changes taken up
                 await nursery.start(session.keep_alive, fs, f"/bmfs.connect/{os.getpid()}")
+                await volume.refresh_devices()
+                volume.devices_confirmed = volume.devices_seq
+                volume.confirmed_changed.unpark_all()
+                nursery.start_soon(watch_devices, fs)
+                nursery.start_soon(session.confirm_devices, fs)
             return s
         except BaseException:
             await volume.aclose()

@@ -5,8 +5,9 @@ run, its figures as one line of JSON on stdout.
   bench_client.py rand VOLUME PATH --size N --reads R --batch 64 [--procs 4] [--seconds S]
       random 4 KiB reads (the bench's offsets: seed 42, 4 KiB aligned), read_many in
       batches; with --procs, forked workers (DataLoader-style) share the reads
-  bench_client.py seq VOLUME PATH --size N [--depth 8]
-      the file read in 1 MiB ranges, --depth ranges per batch, into reused buffers
+  bench_client.py seq VOLUME PATH --size N [--depth 8] [--threads 2]
+      the file read in 1 MiB ranges, --depth ranges per batch, into reused buffers,
+      --threads batches in flight
   bench_client.py records VOLUME PATH --count 10000 [--batch 64]
       random records of a record file through Client.records (batches of ranges)
   bench_client.py mount-records MOUNTED_PATH --count 10000
@@ -73,16 +74,28 @@ def _rand_worker(c, path, offsets, batch, deadline) -> int:
 
 
 def seq(a) -> dict:
+    """Batches of --depth 1 MiB ranges, --threads of them in flight (each thread its
+    own buffers, taking every --threads-th batch: a loader reading ahead)."""
+    import threading
     import bmfs
     c = bmfs.connect(a.volume)
-    bufs = [bytearray(MiB) for _ in range(a.depth)]
-    total = 0
+    step = a.depth * MiB
+    totals = [0] * a.threads
     t0 = time.perf_counter()
     with c.open(a.path, buffering=0) as f:
-        for off in range(0, a.size, a.depth * MiB):
-            n = min(a.depth, (a.size - off + MiB - 1) // MiB)
-            total += sum(c.read_many([(f, off + k * MiB, MiB) for k in range(n)], bufs[:n]))
+        def reader(k):
+            bufs = [bytearray(MiB) for _ in range(a.depth)]
+            for off in range(k * step, a.size, a.threads * step):
+                n = min(a.depth, (a.size - off + MiB - 1) // MiB)
+                totals[k] += sum(c.read_many([(f, off + j * MiB, MiB) for j in range(n)],
+                                             bufs[:n]))
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(a.threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     seconds = time.perf_counter() - t0
+    total = sum(totals)
     if total != a.size:
         raise SystemExit(f"read {total} bytes, expected {a.size}")
     return {"bytes": total, "seconds": seconds, "mbps": total / seconds / 1e6}
@@ -127,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--procs", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--count", type=int, default=10000)
     a = ap.parse_args(argv)
     fn = {"rand": rand, "seq": seq, "records": records, "mount-records": mount_records}

@@ -39,7 +39,9 @@ STALL = 0.02            # a device one of whose reads took longer than this ...
 SLOW_FOR = 10.0         # ... is read from threads for this long, doubled each time it
 SLOW_FOR_MAX = 3600.0   # happens again (a disk that keeps stalling), up to this
 INLINE = os.environ.get("BMFS_INLINE_READS", "1") != "0"
-BATCH_THREADED = 4  # reads of one read_many that go to worker threads at once
+# reads of one read_many that go to worker threads at once (a direct client's batch):
+# more than a stripe's k+m, so a degraded read's k reads keep the inline path
+BATCH_THREADED = 17
 
 
 class LocalTransport:
@@ -133,11 +135,12 @@ class LocalTransport:
         return out
 
     async def read_many(self, reads, deadline: float = math.inf) -> list:
-        """Several reads side by side. A batch (a direct client's read_many) is cut
-        into one job per worker thread, each job reading its share one after another:
-        as many reads in flight as threads, without a hand-off to a thread per read
-        (which would cost the event loop more than a small read does). Read inline
-        instead, each read missing the page cache would wait for the disk alone."""
+        """Several reads side by side. A batch (a direct client's read_many: at least
+        BATCH_THREADED reads) is cut into one job per worker thread, each job reading
+        its share one after another: as many reads in flight as threads, without a
+        hand-off to a thread per read (which would cost the event loop more than a
+        small read does). Read inline instead, each read missing the page cache would
+        wait for the disk alone."""
         if len(reads) < BATCH_THREADED:
             return await read_side_by_side(self, reads, deadline)
         out: list = [None] * len(reads)

@@ -31,25 +31,34 @@ def _offsets(size: int, n: int) -> list[int]:
 
 
 def rand(a) -> dict:
+    """Each process connects (a forked one opens its own connections on its first
+    call) before the clock starts: a DataLoader worker connects once."""
     import bmfs
     c = bmfs.connect(a.volume)
     offsets = _offsets(a.size, a.reads)
     shares = [offsets[i::a.procs] for i in range(a.procs)]
-    t0 = time.perf_counter()
     if a.procs == 1:
+        t0 = time.perf_counter()
         done = _rand_worker(c, a.path, shares[0], a.batch, t0 + a.seconds)
     else:
-        pids = []
+        pids, go_r, go_w = [], *os.pipe()
         for share in shares:
             r, w = os.pipe()
             pid = os.fork()
             if pid == 0:
                 os.close(r)
-                n = _rand_worker(c, a.path, share, a.batch, t0 + a.seconds)
+                c.stat(a.path)  # (connected)
+                os.write(w, b"r")
+                os.read(go_r, 1)
+                n = _rand_worker(c, a.path, share, a.batch, time.perf_counter() + a.seconds)
                 os.write(w, b"%d" % n)
                 os._exit(0)
             os.close(w)
             pids.append((pid, r))
+        for _, r in pids:
+            os.read(r, 1)
+        t0 = time.perf_counter()
+        os.write(go_w, b"g" * len(pids))
         done = 0
         for pid, r in pids:
             done += int(os.read(r, 64) or b"0")

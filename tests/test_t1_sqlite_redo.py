@@ -418,3 +418,38 @@ def test_complete_prefixes_follow_commits_and_answer_from_memory(tmp_path, use_c
         await check(kv)
         await kv.aclose()
     trio.run(main)
+
+
+def test_shared_readers_see_the_log_and_keep_owners_out(tmp_path):
+    """open_shared (a direct client): readers beside each other read what a crashed
+    owner left in the redo log without applying it, refuse commits (EROFS), and keep
+    an owner from opening the database meanwhile; an owner keeps them out."""
+    import errno
+    import pytest
+    from bmfs.errors import ReadOnly, VolumeError
+    url = f"sqlite:{tmp_path}/meta.db"
+    subprocess.run([sys.executable, "-c", CRASHER, url], check=True)
+    log_size = os.path.getsize(f"{tmp_path}/meta.db-redo")
+
+    async def main():
+        a = await open_kv(url, shared=True)
+        b = await open_kv(url, shared=True)
+        for kv in (a, b):
+            assert dict(await kv.range(b"k", b"l")) == _expected()
+            assert await kv.get(b"k0001") == b"v1"
+        t = a.begin()
+        t.put(b"x", b"y")
+        with pytest.raises(ReadOnly) as e:
+            await a.commit(t)
+        assert e.value.errno == errno.EROFS
+        with pytest.raises(VolumeError, match="in use"):
+            await open_kv(url)
+        await a.aclose()
+        await b.aclose()
+        assert os.path.getsize(f"{tmp_path}/meta.db-redo") == log_size  # not applied
+        owner = await open_kv(url)
+        with pytest.raises(VolumeError, match="in use"):
+            await open_kv(url, shared=True)
+        assert dict(await owner.range(b"k", b"l")) == _expected()
+        await owner.aclose()
+    trio.run(main)

@@ -77,3 +77,41 @@ def test_branch_urls_and_errors(volume, tmp_path):
         fs.cat("bm://main/missing")
     with pytest.raises(FileNotFoundError):
         bm(tmp_path / "novolume").ls("main/")
+
+
+from fsspec.tests.abstract import AbstractFixtures  # noqa: E402
+from fsspec.tests.abstract.copy import AbstractCopyTests  # noqa: E402
+from fsspec.tests.abstract.open import AbstractOpenTests  # noqa: E402
+from fsspec.tests.abstract.pipe import AbstractPipeTests  # noqa: E402
+
+
+class BmFixtures(AbstractFixtures):
+    """fsspec's own abstract tests on a fresh one-machine volume, written through a
+    writable instance (paths BRANCH/path)."""
+
+    @pytest.fixture
+    def fs(self, volume):
+        fs = bm(volume, writable=True)
+        yield fs
+        fs.close()
+
+    @pytest.fixture
+    def fs_join(self):
+        import posixpath
+        return posixpath.join
+
+    @pytest.fixture
+    def fs_path(self):
+        return "main/root"
+
+
+class TestBmCopy(BmFixtures, AbstractCopyTests):
+    pass
+
+
+class TestBmOpen(BmFixtures, AbstractOpenTests):
+    pass
+
+
+class TestBmPipe(BmFixtures, AbstractPipeTests):
+    pass

@@ -28,9 +28,14 @@ from ..errors import FsError, VolumeError
 from ..volume import session, upkeep
 from ..vfs.fs import FileSystem
 from ..vfs.views import Views
+from ..vfs.watch import watch_devices
 from ..volume.volume import Volume
 
 ROOT = 1  # the root of the opened tree (view 0), in the vfs's inode numbers
+# connections kept open to each storage node (TcpTransport.pool): a batch sends its
+# requests to a node at once, one per connection, and connections beyond the pool are
+# closed once answered (opened again, with their handshake, for the next batch)
+NODE_POOL = 64
 
 
 def os_error(e: Exception, path: str | None = None) -> OSError:
@@ -66,6 +71,8 @@ class Session:
     async def open(cls, path: str, branch: str, snapshot: str | None, writable: bool,
                    nursery) -> "Session":
         volume = await Volume.open(path, shared=not writable)
+        if volume.on_nodes:
+            volume.transport.pool = NODE_POOL
         try:
             if writable and volume.kv.caps.single_writer:
                 await upkeep.begin(volume)  # as a mount: after a crash
@@ -80,7 +87,14 @@ class Session:
             fs.files.nursery = nursery
             s = cls(volume, fs, writable, nursery)
             if writable and not volume.kv.caps.single_writer:
+                # as a mount: a record other mounts see (drains wait for its devices
+                # to be confirmed), and the device records' changes taken up
                 await nursery.start(session.keep_alive, fs, f"/bmfs.connect/{os.getpid()}")
+                await volume.refresh_devices()
+                volume.devices_confirmed = volume.devices_seq
+                volume.confirmed_changed.unpark_all()
+                nursery.start_soon(watch_devices, fs)
+                nursery.start_soon(session.confirm_devices, fs)
             return s
         except BaseException:
             await volume.aclose()

@@ -53,8 +53,6 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
         admin.install(fs)
         volume.kv.enable_write_behind()  # etcd: commit behind (docs/etcd.md)
         ops = Operations(fs, opts.attr_timeout, get_settings().idle_spin)
-        if not fs.views.get(0).writable:  # a snapshot at the root: the kernel says EROFS
-            opts = dataclasses.replace(opts, read_only=True)
         fs.read_only, fs.atime = opts.read_only, opts.atime
         with libfuse_messages() as said:
             try:

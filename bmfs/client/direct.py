@@ -371,7 +371,7 @@ class File(io.RawIOBase):
 
         async def fn(s):
             of = s.fs.files.handles[fh].of
-            await s.fs.files._drain(of)
+            await s.fs.files.writes.drain(of)
             from ..meta import namespace as ns
             i = await ns.get_inode(s.fs.kv.begin(), of.view.chain, of.ino)
             size = i.size if i else 0

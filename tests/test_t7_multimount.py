@@ -221,14 +221,14 @@ def test_drain_waits_for_a_stripe_another_mount_placed_before_the_mark(
     import trio
     from bmfs.meta import keys
     from bmfs.meta.records import Stripe
-    from bmfs.volume import devices, repair, session
+    from bmfs.volume import devices, session
     from bmfs.vfs.fs import FileSystem
     from bmfs.volume.volume import Volume
     from bmfs.volume.volume import mkfs as make
     from bmfs.vfs.watch import watch_devices
     from vfsutil import read_file, write_file
 
-    monkeypatch.setattr(repair, "OTHER_MOUNTS_SETTLE", 1.0)
+    monkeypatch.setattr(devices, "OTHER_MOUNTS_SETTLE", 1.0)
     etcd_cluster.wipe()
     vol = str(tmp_path / "vol")
     data = os.urandom(5 * (4 << 20))  # 5 stripes: each skips one of the 7 devices

@@ -6,7 +6,7 @@ import pytest
 
 from bmfs.format import fragment as fr
 from bmfs.data.codec import LIB_HEADER, codec
-from bmfs.meta.records import (Inode, Slice, SliceMap, Stripe, compact, pack_slices,
+from bmfs.meta.records import (UNCOUNTED, Inode, Slice, SliceMap, Stripe, compact, pack_slices,
                                 unpack_slices, visible)
 
 
@@ -128,8 +128,15 @@ def test_revision_2_puts_stripe_data_on_pages_of_the_file(size):
 
 
 def test_records_roundtrip():
-    i = Inode(0o100644, 1, 2, 3, 1 << 40, 5, 6, 7, 8, 9)
+    i = Inode(0o100644, 1, 2, 3, 1 << 40, 5, 6, 7, 8, 9, 10, 11)
     assert Inode.unpack(i.pack()) == i
+    # an inode of format revision 3 (64 bytes, no record counts) reads as uncounted,
+    # and counting an uncounted field leaves it so
+    old = Inode.unpack(i.pack()[:64])
+    assert (old.chunks, old.xattrs) == (UNCOUNTED, UNCOUNTED) and old.size == 1 << 40
+    old.count("chunks", +1)
+    i.count("chunks", +1)
+    assert old.chunks == UNCOUNTED and i.chunks == 11
     sl = [Slice(0, 10, 5, 0), Slice(4, 2, 6, 100)]
     assert unpack_slices(pack_slices(sl)) == sl
     st = Stripe(1, 5000, 2, 4, 2, 1330, [0, 1, 2, 3, 4, 0xFFFF], frag_version=2)

@@ -961,3 +961,28 @@ def test_merge_of_truncate_and_chmod_against_an_xattr(mnt, main_first):
     want = Obj(0, data=b"\0", xattrs={"user.bm.type": b"npy"}).shown()
     assert shown_in(main)["a"] == want
     assert mnt.ctl("branch_delete", name="tx")["ok"]
+
+
+def test_merge_theirs_of_a_grown_file_against_a_write(mnt):
+    """A case the merge model found (seed 47422216340379121273903198223896379734) once
+    mtimes no longer decided conflicts: the branch grows a file past a stripe, main
+    writes inside it. Both wrote the file, a conflict whatever the mtimes say (main's
+    write may carry the mtime the kernel kept from before the branch, the base's), so
+    --theirs gives the branch's file whole, not main's chunk under the branch's size."""
+    main, br = mnt.mp, os.path.join(mnt.mp, ".bm", "branches", "gx")
+    a = os.path.join(main, "a")
+    body = payload(3, 65536)
+    with open(a, "wb") as f:
+        f.write(body)
+    assert mnt.ctl("branch_create", name="gx", source="main")["ok"]
+    os.truncate(os.path.join(br, "a"), STRIPE + 51)
+    fd = os.open(a, os.O_WRONLY)
+    try:
+        os.pwrite(fd, payload(4, 736), 0)
+    finally:
+        os.close(fd)
+    reply = mnt.ctl("merge", source="gx", into="main", strategy="theirs")
+    assert reply["ok"], reply
+    want = body + b"\0" * (STRIPE + 51 - len(body))
+    assert read_all(a) == want
+    assert mnt.ctl("branch_delete", name="gx")["ok"]

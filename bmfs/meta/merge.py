@@ -33,12 +33,12 @@ class MergeConflict(FsError):
                          f"; nothing was changed ({hint})")
 
 
-# A file's mtime is its content's: a conflict when both sides changed the content (its
-# chunks or size), the content changer's when one did, the newest when neither did. (An
-# mtime moves without a content change: `touch`, and the kernel, which under the
-# writeback cache keeps a file's mtime itself and sends it to bmfs when it flushes the
-# inode, at any later time: after a branch was made, that is an mtime changed on the
-# side that only set an xattr.)
+# A file whose content (its chunks or size) both sides changed is a conflict, whatever
+# the mtimes say; its mtime is the content changer's when one side changed the content,
+# the newest when neither did. (An mtime moves without a content change, and a content
+# change may keep the base's mtime: under the writeback cache the kernel keeps a file's
+# mtime itself and sends it to bmfs when it flushes the inode, at any later time, e.g.
+# after a branch was made.)
 _OWN_FIELDS = ("mode", "uid", "gid", "size", "rdev", "mtime_ns")
 _NEWEST_FIELDS = ("atime_ns", "ctime_ns")
 
@@ -49,6 +49,10 @@ def _merge_inode(s: Inode, b: Inode, t: Inode, s_chunks: bool = False,
     ``s_chunks``, ``t_chunks``: whether that side changed a chunk of the file."""
     out, clash = t.copy(), []
     s_data, t_data = s_chunks or s.size != b.size, t_chunks or t.size != b.size
+    if s_data and t_data and not t.is_dir():
+        # written on both sides, whatever the times say (a write's mtime may be one
+        # the kernel kept from before the branch was made: equal to the base's)
+        clash.append("data")
     for f in _OWN_FIELDS + _NEWEST_FIELDS:
         sv, bv, tv = getattr(s, f), getattr(b, f), getattr(t, f)
         if sv == bv or sv == tv:
@@ -122,15 +126,17 @@ class _Merge:
     def winner(self) -> Chain | None:
         return {"theirs": self.cs, "ours": self.ct}.get(self.strategy)
 
-    async def by_key(self, subs, progress=None) -> None:
+    async def by_key(self, subs, target_subs=(), progress=None) -> None:
+        """Merge the keys the source changed (``subs``); ``target_subs``: those the
+        target changed (only its chunks are looked at: who rewrote a file).
+        ``progress(done, total)`` is told of the keys compared."""
         # files whose chunks each side changed (their mtimes: _merge_inode)
         rewrote: dict[str, set[int]] = {"s": set(), "t": set()}
-        for sub in subs:
-            if sub.startswith(keys.CHUNK_PREFIX):
-                bv = await lget(self.txn, self.base, sub)
-                for side, chain in (("s", self.cs), ("t", self.ct)):
-                    if await self.val(chain, sub) != bv:
-                        rewrote[side].add(keys.ino_of(sub))
+        for side, chain, changed in (("s", self.cs, subs), ("t", self.ct, target_subs)):
+            for sub in changed:
+                if sub.startswith(keys.CHUNK_PREFIX) and \
+                        await self.val(chain, sub) != await lget(self.txn, self.base, sub):
+                    rewrote[side].add(keys.ino_of(sub))
         for n, sub in enumerate(subs, 1):
             if progress and n % 256 == 0:
                 progress(n, len(subs))
@@ -425,6 +431,7 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None,
     subs = sorted(await changed_subs(kv, xs))
     dsubs = sorted({s for s in subs if s.startswith(keys.DENTRY_PREFIX)} |
                    {s for s in target_changes if s.startswith(keys.DENTRY_PREFIX)})
+    tchunks = sorted(s for s in target_changes if s.startswith(keys.CHUNK_PREFIX))
 
     async def three_way(txn):
         rec = await load_record(txn, keys.branch(into))
@@ -433,7 +440,7 @@ async def op_merge(kv, source: str, into: str, strategy: str | None = None,
         if skind == "snapshot":  # (a branch's layers below its head stay as they are)
             await _source_unchanged(txn, source, cs)
         m = _Merge(txn, kv, cs, base, ct, strategy, dsubs)
-        await m.by_key(subs, progress)
+        await m.by_key(subs, tchunks, progress)
         await m.settle()
         for sub, value in m.plan.items():
             if sub.startswith(keys.CHUNK_PREFIX):

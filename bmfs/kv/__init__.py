@@ -149,11 +149,6 @@ class KV(abc.ABC):
         """Release the engine's resources (called once)."""
 
     # -- the interface used by the layers above ---------------------------------------
-    @property
-    def single_writer(self) -> bool:
-        """``caps.single_writer``: this process is the volume's only writer."""
-        return self.caps.single_writer
-
     async def aclose(self) -> None:
         """Release the engine's resources; after it every read or commit raises
         ``trio.ClosedResourceError``. Closing twice is harmless."""

@@ -41,9 +41,12 @@ def test_mount_options():
     assert p("ro,relatime,remount,noatime,user_id=0,group_id=0,allow_other") == (
         {"read_only": True, "atime": "noatime"}, True, None)
     assert p("rw,relatime,remount") == ({"read_only": False}, True, None)  # (atime: kept)
+    assert p("metrics=127.0.0.1:9100,ro") == (
+        {"metrics": "127.0.0.1:9100", "read_only": True}, False, None)
     for bad, msg in (("ro,rw", "contradictory mount options: ro and rw"),
                      ("remount,dev,nodev", "contradictory mount options: dev and nodev"),
-                     ("bogus", "unknown mount option 'bogus'"), ("sync", "unknown")):
+                     ("bogus", "unknown mount option 'bogus'"), ("sync", "unknown"),
+                     ("remount,metrics=:1", "metrics= is set when mounting")):
         with pytest.raises(UserError, match=msg):
             p(bad)
     flags = _mount_flags({"rw", "nodev", "noatime"}, {"read_only": True})

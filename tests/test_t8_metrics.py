@@ -189,3 +189,17 @@ def test_metrics_on_an_address_others_reach_is_logged_as_unauthenticated(tmp_pat
     with Mounted(vol, mp, "--metrics", str(local)):
         assert "bmfs_fuse_operations_total" in str(scrape(local))
     assert "authentication" not in (vol / "mount.log").read_text()
+
+
+def test_metrics_as_a_mount_option(tmp_path):
+    """`-o metrics=ADDR` (what an fstab line can say) serves the endpoint as
+    `--metrics ADDR` does; at a remount it is refused in one line."""
+    vol, mp = tmp_path / "vol", tmp_path / "mnt"
+    bmfs("mkfs", vol)
+    (port,) = free_ports(1)
+    with Mounted(vol, mp, "-o", f"noatime,metrics=127.0.0.1:{port}"):
+        assert "bmfs_fuse_operations_total" in str(scrape(port))
+        r = subprocess.run(["mount", "-o", f"remount,metrics=127.0.0.1:{port}", str(mp)],
+                           capture_output=True, text=True)
+        assert r.returncode != 0
+    assert not _listening(port)

@@ -40,7 +40,7 @@ def add_parser(sub):
     p.add_argument("-o", dest="options", default="",
                    help="mount options, comma-separated: ro, rw, relatime (default), "
                    "strictatime, noatime, dev, nodev, suid, nosuid, exec, noexec, "
-                   "nonempty, branch=NAME (docs/operations.md)")
+                   "nonempty, branch=NAME, metrics=ADDR (docs/operations.md)")
     metrics_option(p)
     p.add_argument("--ready-fd", type=int, help=argparse_suppress())
     p.set_defaults(func=run)
@@ -152,6 +152,7 @@ def run(args) -> int:
     if remount:
         raise UserError("bmfs mount does not remount: use mount -o remount,... MOUNTPOINT")
     nonempty = flags.pop("nonempty", False)
+    args.metrics = flags.pop("metrics", None) or args.metrics
     args.branch = branch or args.branch
     mp = os.path.abspath(args.mountpoint)
     check_metrics_address(args.metrics)
@@ -391,6 +392,10 @@ def parse_options(text: str) -> tuple[dict, bool, str | None]:
             flags.pop("atime", None)
         elif o.startswith("branch="):
             branch = o.split("=", 1)[1]
+        elif o.startswith("metrics="):  # (fstab: --metrics ADDR)
+            if remount:
+                raise UserError("metrics= is set when mounting, not at a remount")
+            flags["metrics"] = o.split("=", 1)[1]
         elif o in _FLAGS:
             field, value = _FLAGS[o]
             if field in said and flags[field] != value:
@@ -398,7 +403,7 @@ def parse_options(text: str) -> tuple[dict, bool, str | None]:
             flags[field], said[field] = value, o
         elif o not in _NOT_OURS and not o.startswith(_NOT_OURS_PREFIXES):
             raise UserError(f"unknown mount option {o!r} (bmfs takes: "
-                            f"{', '.join(_FLAGS)}, branch=NAME)")
+                            f"{', '.join(_FLAGS)}, branch=NAME, metrics=ADDR)")
     return flags, remount, branch
 
 
@@ -410,6 +415,8 @@ def run_helper(args) -> int:
     cmd = [sys.executable, "-m", "bmfs.cli.main", "mount", args.mountpoint, "--volume",
            args.volume, "--branch", branch or "main", "-o",
            ",".join(o for o in args.options.split(",") if o in _FLAGS)]
+    if flags.get("metrics"):
+        cmd += ["--metrics", flags["metrics"]]
     return subprocess.call(cmd)
 
 

@@ -75,8 +75,7 @@ class Session:
             volume.transport.pool = NODE_POOL
         try:
             if writable and volume.kv.single_writer:
-                swept = await gc.begin_session(volume)  # as a mount: after a crash
-                del swept
+                await gc.begin_session(volume)  # as a mount: sweeps after a crash
             views = Views(volume.kv)
             kind, name = ("snapshot", snapshot) if snapshot else ("branch", branch)
             await views.add(kind, name, view_id=0)

@@ -469,7 +469,7 @@ class File(io.RawIOBase):
         fh, self._fh = self._fh, None
         try:
             if fh is not None and self._gen == self.client._gen and \
-                    self.client._session is not None:
+                    self.client._session is not None and not self.client._closed:
                 async def fn(s):
                     await s.fs.files.release(fh)  # stores what was written, commits
                 self.client._call(fn, path=self.path)

@@ -59,7 +59,7 @@ def test_fragment_header_roundtrip_and_corruption(version):
 def test_bad_blocks_and_padding(version, native):
     """bad_blocks names each block whose bytes do not match, and every block a
     truncated payload does not hold whole; the header's padding must be zeros."""
-    from bmfs.data.native import NATIVE
+    from bmfs.native import NATIVE
     impl = NATIVE if native else None
     payload = os.urandom(5 * fr.BLOCK + 321)
     geo = fr.geometry(version, len(payload))

@@ -231,7 +231,7 @@ def test_singular_choice_of_survivors_decoded_from_others(tmp_path):
     """ISA-L's Vandermonde code is not MDS for m > 4: some choices of k fragments do not
     determine the stripe. With more than k intact, the reads decode from k that do;
     with none such left, the read fails with IOFailure (not pyeclib's error)."""
-    from bmfs.data.native import NATIVE
+    from bmfs.native import NATIVE
     client, stores, damage = make(tmp_path, 6, 6)
     data = os.urandom(600_000)
 
@@ -289,7 +289,7 @@ def test_sequential_small_degraded_reads_decode_the_stripe_once(tmp_path):
     """A sequential reader in small requests of a fragment that must be rebuilt gets the
     stripe decoded once (k fragment reads) from its second request on, not each range
     rebuilt from k others; random small reads still rebuild just their range."""
-    from bmfs.data.native import NATIVE
+    from bmfs.native import NATIVE
     stores = {}
     for d in range(6):
         FileStore.format(str(tmp_path / f"d{d}"), "vol", d)

@@ -28,7 +28,7 @@ from ..meta.records import EC, INLINE, NO_DEVICE, Stripe
 from ..transport import DeviceError, TooSlow, Transport, run_in_thread
 from ..format import fragment as fr
 from .codec import LIB_HEADER, codec, stripe_bytes, stripe_length
-from .native import NATIVE
+from ..native import NATIVE
 from .pending import Pending
 from .placement import place_available
 

@@ -12,7 +12,7 @@ they came (views of the reply buffers), or copied once into the caller's buffers
 """
 from __future__ import annotations
 
-from ..data.client import _Missing
+from ..data.checked import Missing as _Missing
 from ..data.codec import LIB_HEADER
 from ..errors import IOFailure, NotFound
 from ..format import fragment as fr

@@ -8,8 +8,8 @@ from __future__ import annotations
 import array
 import sys
 
+from ..errors import DeviceError
 from ..format import fragment as fr
-from ..transport import DeviceError
 
 
 class CheckedRead:

@@ -23,10 +23,10 @@ import time
 import trio
 
 from .. import metrics
-from ..errors import IOFailure, NoSpace
+from ..errors import DeviceError, IOFailure, NoSpace
 from ..lru import LRU
 from ..meta.records import EC, INLINE, NO_DEVICE, Stripe
-from ..transport import DeviceError, TooSlow, Transport, run_in_thread
+from ..transport import TooSlow, Transport, run_in_thread
 from ..format import fragment as fr
 from .checked import CheckedRead, Missing, WholeRead
 from .codec import LIB_HEADER, codec, stripe_bytes, stripe_length

@@ -16,11 +16,11 @@ import itertools
 import trio
 
 from .. import metrics
-from ..errors import IOFailure
+from ..errors import DeviceError, IOFailure
 from ..format import fragment as fr
 from ..meta.records import NO_DEVICE
 from ..native import NATIVE
-from ..transport import DeviceError, run_in_thread
+from ..transport import run_in_thread
 from .checked import Missing
 from .codec import LIB_HEADER, codec
 

@@ -497,7 +497,7 @@ class Volume:
     async def device_usage(self, max_age: float = 2.0) -> dict[int, dict | Exception]:
         """Usage of every device ({total, free} or the error), cached for ``max_age`` s."""
         import time as _time
-        from ..transport import DeviceError
+        from ..errors import DeviceError
         now = _time.monotonic()
         if self._usage and now - self._usage[0] < max_age:
             return self._usage[1]

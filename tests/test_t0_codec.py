@@ -6,7 +6,7 @@ import pytest
 
 from bmfs.format import fragment as fr
 from bmfs.data.codec import LIB_HEADER, codec
-from bmfs.meta.records import (UNCOUNTED, Inode, Slice, SliceMap, Stripe, compact, pack_slices,
+from bmfs.format.records import (UNCOUNTED, Inode, Slice, SliceMap, Stripe, compact, pack_slices,
                                 unpack_slices, visible)
 
 

@@ -8,7 +8,7 @@ import trio
 
 from bmfs.data.client import DataClient
 from bmfs.errors import IOFailure, NoSpace
-from bmfs.meta.records import EC, INLINE
+from bmfs.format.records import EC, INLINE
 from bmfs.store.file import FileStore
 from bmfs.transport.local import LocalTransport
 

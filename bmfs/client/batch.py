@@ -19,7 +19,7 @@ from ..format import fragment as fr
 from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
-from ..meta.records import EC, INLINE, NO_DEVICE, SliceMap, Stripe
+from ..format.records import EC, INLINE, NO_DEVICE, SliceMap, Stripe
 
 
 async def read_many(files, items) -> list:

@@ -25,7 +25,7 @@ import trio
 from .. import metrics
 from ..errors import DeviceError, IOFailure, NoSpace
 from ..lru import LRU
-from ..meta.records import EC, INLINE, NO_DEVICE, Stripe
+from ..format.records import EC, INLINE, NO_DEVICE, Stripe
 from ..transport import TooSlow, Transport, run_in_thread
 from ..format import fragment as fr
 from .checked import CheckedRead, Missing, WholeRead

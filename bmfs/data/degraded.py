@@ -18,7 +18,7 @@ import trio
 from .. import metrics
 from ..errors import DeviceError, IOFailure
 from ..format import fragment as fr
-from ..meta.records import NO_DEVICE
+from ..format.records import NO_DEVICE
 from ..native import NATIVE
 from ..transport import run_in_thread
 from .checked import Missing

@@ -28,7 +28,7 @@ from ..errors import FsError, Invalid, IsDir, MetaDamaged, NameTooLong, NotDir, 
 from ..lru import LRU
 from ..meta import keys
 from ..meta import namespace as ns
-from ..meta.records import Inode
+from ..format.records import Inode
 from .attr import Attr, attr_of
 from .files import Files
 from .held import HeldDirs

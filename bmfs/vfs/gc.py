@@ -7,7 +7,7 @@ entry, so a crash in between only means the deletion is done again.
 from __future__ import annotations
 
 from ..meta import keys
-from ..meta.records import Stripe
+from ..format.records import Stripe
 
 
 BATCH = 1000  # stripes a collect() call deletes by default

@@ -14,7 +14,7 @@ from functools import partial
 
 from ..errors import Exists, FsError, Invalid, NoAttr, NotFound, NotSupported, Perm, Range
 from ..meta import namespace as ns
-from ..meta.records import UNCOUNTED, Inode
+from ..format.records import UNCOUNTED, Inode
 from .attr import Attr, attr_of
 from .views import CTL_VIEW, VIEW_SHIFT
 

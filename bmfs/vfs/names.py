@@ -18,7 +18,7 @@ from ..config import MAX_NAME
 from ..errors import CrossDevice, Exists, Invalid, IsDir, NameTooLong, NotDir, NotEmpty, NotFound, Perm
 from ..meta import keys
 from ..meta import namespace as ns
-from ..meta.records import Inode
+from ..format.records import Inode
 from .attr import Attr, attr_of
 from .inode_attrs import now_ns
 from .orphans import unclaimed

@@ -23,7 +23,7 @@ from ..errors import DeviceError, MetaDamaged
 from ..kv import seal
 from ..meta import keys
 from ..meta.layers import Chain, lscan, split
-from ..meta.records import (EC, NO_DEVICE, UNCOUNTED, Inode, Stripe, unpack_dentry,
+from ..format.records import (EC, NO_DEVICE, UNCOUNTED, Inode, Stripe, unpack_dentry,
                             unpack_slices)
 from ..meta.namespace import ROOT
 from ..vfs.gc import collect

@@ -31,7 +31,7 @@ from ..format import fragment as fr
 from ..data.codec import codec
 from ..errors import DeviceError, IOFailure
 from ..meta import keys
-from ..meta.records import EC, NO_DEVICE, Stripe
+from ..format.records import EC, NO_DEVICE, Stripe
 from .volume import device_records
 
 log = logging.getLogger(__name__)

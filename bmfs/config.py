@@ -11,8 +11,6 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Iterator, Mapping
 
-from .format.revision import FORMAT_REVISION
-
 LAYOUTS = ("pool", "files")  # of a device directory: store/pool.py, store/file.py
 
 
@@ -39,7 +37,7 @@ class VolumeSettings:
     m: int = 2
     fragment_size: int = 1 << 20      # data bytes per fragment of a full stripe
     inline_max: int = 16 << 10       # stripes this small live in the metadata
-    format: int = FORMAT_REVISION
+    format: int = 0                  # the volume format revision (format/revision.py)
     created: float = 0.0
 
     @property

@@ -68,3 +68,13 @@ class VolumeError(Exception):
 
     The CLI prints it as one line and exits with status 2.
     """
+
+
+class DeviceError(Exception):
+    """A device could not serve a request (a transport raises it: missing, down, an
+    I/O error); ``dev`` names it, ``errno`` says why when the device said (ENOSPC: it
+    is full), else None. The data client treats it as a lost fragment."""
+
+    def __init__(self, dev: int, message: str, errno: int | None = None):
+        super().__init__(f"device {dev}: {message}")
+        self.dev, self.errno = dev, errno

@@ -15,7 +15,7 @@ import sqlite3
 
 from bmfs.kv.seal import SEAL_BYTES, is_sealed, seal
 from bmfs.meta import keys
-from bmfs.meta.records import Inode
+from bmfs.format.records import Inode
 
 _INODE_BYTES = len(Inode(0).pack())
 _COUNTS_BYTES = 8  # revision 4's chunks and xattrs counts, two u32

@@ -6,7 +6,7 @@ import pytest
 
 from bmfs.format import fragment as fr
 from bmfs.data.codec import LIB_HEADER, codec
-from bmfs.meta.records import (UNCOUNTED, Inode, Slice, SliceMap, Stripe, compact, pack_slices,
+from bmfs.format.records import (UNCOUNTED, Inode, Slice, SliceMap, Stripe, compact, pack_slices,
                                 unpack_slices, visible)
 
 
@@ -59,7 +59,7 @@ def test_fragment_header_roundtrip_and_corruption(version):
 def test_bad_blocks_and_padding(version, native):
     """bad_blocks names each block whose bytes do not match, and every block a
     truncated payload does not hold whole; the header's padding must be zeros."""
-    from bmfs.data.native import NATIVE
+    from bmfs.native import NATIVE
     impl = NATIVE if native else None
     payload = os.urandom(5 * fr.BLOCK + 321)
     geo = fr.geometry(version, len(payload))

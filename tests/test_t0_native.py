@@ -17,7 +17,7 @@ from pyeclib.ec_iface import ECDriver
 
 from bmfs.format import fragment as fr
 from bmfs.data.codec import EC_TYPE, LIB_HEADER, Codec
-from bmfs.data.native import NATIVE
+from bmfs.native import NATIVE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_native = pytest.mark.skipif(os.environ.get("BMFS_NATIVE") == "0",
@@ -139,7 +139,7 @@ def test_python_fallback_runs_the_data_tests():
     """BMFS_NATIVE=0 (as on a machine without the helper): codec, fragment and data
     client tests pass on the pyeclib + crc32c path."""
     env = dict(os.environ, BMFS_NATIVE="0")
-    code = ("from bmfs.data.native import NATIVE; assert NATIVE is None; "
+    code = ("from bmfs.native import NATIVE; assert NATIVE is None; "
             "import bmfs.data.codec as c; assert c.codec(4, 2)._native is None")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=REPO)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

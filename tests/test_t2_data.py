@@ -8,7 +8,7 @@ import trio
 
 from bmfs.data.client import DataClient
 from bmfs.errors import IOFailure, NoSpace
-from bmfs.meta.records import EC, INLINE
+from bmfs.format.records import EC, INLINE
 from bmfs.store.file import FileStore
 from bmfs.transport.local import LocalTransport
 
@@ -231,7 +231,7 @@ def test_singular_choice_of_survivors_decoded_from_others(tmp_path):
     """ISA-L's Vandermonde code is not MDS for m > 4: some choices of k fragments do not
     determine the stripe. With more than k intact, the reads decode from k that do;
     with none such left, the read fails with IOFailure (not pyeclib's error)."""
-    from bmfs.data.native import NATIVE
+    from bmfs.native import NATIVE
     client, stores, damage = make(tmp_path, 6, 6)
     data = os.urandom(600_000)
 
@@ -253,11 +253,11 @@ def test_singular_choice_of_survivors_decoded_from_others(tmp_path):
 
 
 def test_singular_choices_known_to_the_client():
-    """The client's model of which k fragments determine a stripe (_pick) agrees with
+    """The client's model of which k fragments determine a stripe (pick) agrees with
     pyeclib's reconstruct for every choice of 6 of 6+6 fragments."""
     import itertools
     from pyeclib.ec_iface import ECDriver
-    from bmfs.data.client import _pick
+    from bmfs.data.degraded import pick
     driver = ECDriver(k=6, m=6, ec_type="isa_l_rs_vand")
     frags = driver.encode(os.urandom(1000))
     singular = 0
@@ -268,10 +268,10 @@ def test_singular_choices_known_to_the_client():
             ok = [bytes(g) for g in got] == [frags[i] for i in missing or [0]]
         except Exception:
             ok = False
-        assert (_pick(6, 6, have) == have) == ok, have
+        assert (pick(6, 6, have) == have) == ok, have
         singular += not ok
     assert singular == 8
-    assert _pick(6, 6, (1, 2, 4, 6, 7, 10, 11)) == (1, 2, 4, 6, 7, 11)
+    assert pick(6, 6, (1, 2, 4, 6, 7, 10, 11)) == (1, 2, 4, 6, 7, 11)
 
 
 class CountingStore(FileStore):
@@ -289,7 +289,7 @@ def test_sequential_small_degraded_reads_decode_the_stripe_once(tmp_path):
     """A sequential reader in small requests of a fragment that must be rebuilt gets the
     stripe decoded once (k fragment reads) from its second request on, not each range
     rebuilt from k others; random small reads still rebuild just their range."""
-    from bmfs.data.native import NATIVE
+    from bmfs.native import NATIVE
     stores = {}
     for d in range(6):
         FileStore.format(str(tmp_path / f"d{d}"), "vol", d)
@@ -335,9 +335,9 @@ def test_concurrent_reads_of_a_stripe_share_one_decode_and_never_strand_a_reader
             await release.wait()
             raise IOFailure("not this time")
         await trio.sleep(0.05)
-        return _Decoded(("stripe", len(calls)))
+        return Decoded(("stripe", len(calls)))
 
-    from bmfs.data.client import _Decoded
+    from bmfs.data.degraded import Decoded
     client._decode_stripe = decode
     got, failed = [], []
 
@@ -461,11 +461,13 @@ def test_bad_blocks_in_several_fragments_decode_row_by_row(tmp_path, monkeypatch
     damaged fragments are reported. Where some row does not, reads that need it fail
     with IOFailure, the others give the right bytes: never a wrong byte."""
     from bmfs.data import client as client_mod
+    from bmfs.data import degraded
     from bmfs.data.codec import Codec
     from bmfs.format import fragment as fr
     if not native:  # as with BMFS_NATIVE=0: pyeclib and Python checksums
-        monkeypatch.setattr(client_mod, "NATIVE", None)
-        monkeypatch.setattr(client_mod, "codec", lambda k, m: Codec(k, m, native=None))
+        monkeypatch.setattr(degraded, "NATIVE", None)
+        for mod in (client_mod, degraded):
+            monkeypatch.setattr(mod, "codec", lambda k, m: Codec(k, m, native=None))
     monkeypatch.setattr(fr, "VERSION", version)
     damage = BLOCK_DAMAGE[case]
     if version == 1 and (not native or any(how == "padding" for _, how in damage)):

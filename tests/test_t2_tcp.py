@@ -25,7 +25,7 @@ from bmfs.node import protocol
 from bmfs.node import server as node_server
 from bmfs.node.server import NodeServer
 from bmfs.store.file import FileStore
-from bmfs.transport import DeviceError
+from bmfs.errors import DeviceError
 from bmfs.transport import tcp
 from bmfs.transport.tcp import LATE_DOWN, TcpTransport
 from bmfs.wire import node_pb2 as pb

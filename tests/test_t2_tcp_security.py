@@ -24,7 +24,7 @@ from bmfs.node.protocol import PREFIX, Connection, client_handshake
 from bmfs.node.server import READS, NodeServer
 from bmfs.node.tls import TlsConfig
 from bmfs.store.file import FileStore
-from bmfs.transport import DeviceError
+from bmfs.errors import DeviceError
 from bmfs.transport.tcp import TcpTransport
 from bmfs.wire import node_pb2 as pb
 

@@ -59,7 +59,7 @@ def test_fragments_of_the_first_revision_still_read_and_repair(tmp_path, monkeyp
     import random
     from bmfs.format import fragment as fr
     from bmfs.kv import prefix_end
-    from bmfs.meta.records import Stripe
+    from bmfs.format.records import Stripe
     from fragments import revision
     vol = tmp_path / "vol"
     old = {b"old%d" % i: os.urandom((5 << 20) + 777 * i) for i in range(2)}
@@ -356,7 +356,7 @@ def test_repair_reports_the_stripes_it_leaves_short_and_why(tmp_path):
             for d in range(1, 8):
                 v.transport.stores[d] = stores[d]
             # the device repair tries first for a fragment of device 0 is full
-            from bmfs.meta.records import Stripe
+            from bmfs.format.records import Stripe
             sid, st = next((int(k[2:], 16), st) for k, raw in await v.kv.range(b"t/", b"t0")
                            if 0 in (st := Stripe.unpack(raw)).devices)
             first = repair._places(v, sid, st.devices.index(0), list(st.devices), {0})[0]

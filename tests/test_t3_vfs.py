@@ -17,7 +17,7 @@ from bmfs.errors import FsError
 from bmfs.meta import branches as br
 from bmfs.meta import diff, keys, layer_gc, merge, trees
 from bmfs.meta import namespace as ns
-from bmfs.meta.records import Inode
+from bmfs.format.records import Inode
 from bmfs.store.file import FileStore
 from bmfs.vfs.fs import FileSystem
 from bmfs.volume.fsck import fsck

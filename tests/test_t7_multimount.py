@@ -220,7 +220,7 @@ def test_drain_waits_for_a_stripe_another_mount_placed_before_the_mark(
     and missed B's stripes."""
     import trio
     from bmfs.meta import keys
-    from bmfs.meta.records import Stripe
+    from bmfs.format.records import Stripe
     from bmfs.volume import devices, session
     from bmfs.vfs.fs import FileSystem
     from bmfs.volume.volume import Volume
@@ -298,7 +298,7 @@ def test_no_fragment_moves_onto_a_device_marked_draining_meanwhile(etcd_cluster,
     it draining, and B's rebalance, which places ~1/8 of the fragments on it, commits
     none of those moves: no stripe is on device 7 and the files read back."""
     import trio
-    from bmfs.meta.records import Stripe
+    from bmfs.format.records import Stripe
     from bmfs.volume import devices, repair
     from bmfs.vfs.fs import FileSystem
     from bmfs.volume.volume import Volume

@@ -12,15 +12,14 @@ they came (views of the reply buffers), or copied once into the caller's buffers
 """
 from __future__ import annotations
 
-from ..data.client import _Missing
+from ..data.checked import Missing as _Missing
 from ..data.codec import LIB_HEADER
-from ..errors import IOFailure, NotFound
+from ..errors import DeviceError, IOFailure, NotFound
 from ..format import fragment as fr
 from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
-from ..meta.records import EC, INLINE, NO_DEVICE, SliceMap, Stripe
-from ..transport import DeviceError
+from ..format.records import EC, INLINE, NO_DEVICE, SliceMap, Stripe
 
 
 async def read_many(files, items) -> list:

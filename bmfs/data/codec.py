@@ -4,7 +4,7 @@ The code is systematic: data fragment i carries bytes [i*B, (i+1)*B) of the stri
 after liberasurecode's own 80-byte fragment header, where B = fragment length - 80. A
 healthy read therefore needs no decode and can read a byte range of a single fragment.
 
-Encoding runs in the C helper (bmfs/data/native.py) when it is built: the same bytes
+Encoding runs in the C helper (bmfs/native.py) when it is built: the same bytes
 as pyeclib, with the GIL released, so a stripe is encoded in a worker thread while
 the event loop goes on serving FUSE (pyeclib holds the GIL for the whole encode).
 liberasurecode's 80-byte headers depend only on the stripe's length (no checksum
@@ -20,7 +20,7 @@ import functools
 from pyeclib.ec_iface import ECDriver
 
 from ..format.fragment import LIB_HEADER
-from .native import NATIVE
+from ..native import NATIVE
 
 EC_TYPE = "isa_l_rs_vand"
 HEADER_CACHE = 1024  # stripe lengths whose liberasurecode headers are kept

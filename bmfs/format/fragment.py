@@ -36,7 +36,7 @@ Per-block checksums let a 4 KiB read verify just the blocks it touches; every re
 checks the header (with the padding after it: zeros) and the blocks it returns, so
 no byte of the file goes unchecked (a whole read also checks nothing follows the
 payload). A whole block table is computed by one
-call of the C helper when it is built (bmfs/data/native.py), else block by block.
+call of the C helper when it is built (bmfs/native.py), else block by block.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import sys
 
 from crc32c import crc32c
 
-from ..data.native import NATIVE
+from ..native import NATIVE
 
 LIB_HEADER = 80  # liberasurecode's header, the start of each payload (data/codec.py)
 MAGIC = b"BMFR"

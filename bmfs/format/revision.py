@@ -15,7 +15,7 @@ bmfs opens.
 
 Opening an older volume for writing (a mount, repair, fsck --repair) upgrades it to 4
 first (volume/volume.py), so older bmfs refuses it from then on. The keyspace
-(meta/keys.py) and the records (meta/records.py) are those of FORMAT_REVISION.
+(meta/keys.py) and the records (format/records.py) are those of FORMAT_REVISION.
 """
 FORMAT_REVISION = 4
 OPENS_REVISIONS = (1, 2, 3, 4)

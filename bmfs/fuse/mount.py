@@ -28,7 +28,8 @@ import trio
 from .. import metrics
 from ..config import MountOptions, get_settings
 from ..errors import FsError, VolumeError
-from ..vfs.fs import ATIME_MODES, FileSystem
+from ..vfs.fs import FileSystem
+from ..vfs.inode_attrs import ATIME_MODES
 from ..vfs.watch import Watcher
 from ..volume import admin, upkeep
 from ..volume.volume import Volume

@@ -21,7 +21,7 @@ import trio
 from .. import metrics
 from ..errors import FsError, NotFound
 from ..vfs.control import Caller
-from ..vfs.fs import Attr
+from ..vfs.attr import Attr
 from ..vfs.views import CTL_FILE, CTL_PROGRESS, VIEW_SHIFT
 from .idle import IdleSpin
 

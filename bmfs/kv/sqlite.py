@@ -158,7 +158,7 @@ def _open_own(path: str, flags: int) -> int:
     Raises:
         VolumeError: a link, or not a plain file of ours.
     """
-    from ..store.file import check_own_file
+    from ..ownfile import check_own_file
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:  # (ELOOP; EACCES when the link is another's in a sticky directory)

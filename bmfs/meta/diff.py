@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..kv import prefix_end
 from . import keys
 from .layers import Chain, lget
-from .records import Inode, unpack_dentry
+from ..format.records import Inode, unpack_dentry
 from .trees import tree_chain
 
 async def changed_subs(kv, layers: set[int]) -> set[bytes]:

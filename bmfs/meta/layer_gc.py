@@ -14,7 +14,7 @@ from ..errors import FsError
 from ..kv import prefix_end
 from . import keys, trees
 from .namespace import adjust_refs
-from .records import unpack_slices
+from ..format.records import unpack_slices
 from .trees import tree_heads
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from . import keys, layer_gc
 from .diff import Paths, changed_subs, fork, same_but_read
 from .layers import Chain, lget, lput, ldel, lscan
 from .namespace import ROOT, put_chunk, recount
-from .records import Inode, unpack_dentry, unpack_slices
+from ..format.records import Inode, unpack_dentry, unpack_slices
 from .trees import TOUCHED, freeze_head, load_record, new_layer, tree_chain
 
 

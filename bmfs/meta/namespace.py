@@ -16,7 +16,7 @@ from ..errors import MetaDamaged
 from ..kv import Txn
 from . import keys
 from .layers import Chain, ldel, lget, lput, lscan, top_value
-from .records import (SLICE_SIZE, UNCOUNTED, Inode, Slice, Stripe, compact, pack_dentry,
+from ..format.records import (SLICE_SIZE, UNCOUNTED, Inode, Slice, Stripe, compact, pack_dentry,
                       pack_slices, slice_sids, unpack_dentry, unpack_slices)
 
 ROOT = 1

@@ -23,7 +23,7 @@ import sys
 
 import trio
 
-from ..data.native import optional
+from ..native import optional
 from ..wire import node_pb2 as pb
 
 # small READs sent and their replies taken in C (native/client_reads.c: read_spun),

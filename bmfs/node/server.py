@@ -31,7 +31,7 @@ import time
 import trio
 
 from .. import metrics
-from ..data.native import optional
+from ..native import optional
 from ..lru import LRU
 from ..store.pmem import lock_device, open_store
 from ..wire import node_pb2 as pb

@@ -170,16 +170,6 @@ def make_private_dir(path: str) -> None:
         os.close(fd)
 
 
-def check_own_file(fd: int, path: str) -> None:
-    """VolumeError unless ``fd`` (a store's file, opened) is a regular file of ours with
-    no other name: one put in its place by another user (who owns the directory, say)
-    must not receive the volume's data."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
-        raise VolumeError(f"{path} is not a file of bmfs's (owner uid {st.st_uid}, "
-                          f"{st.st_nlink} links): not used")
-
-
 def check_marker(path: str, volume_uuid: str, dev: int, fmt: int) -> dict:
     """The device directory's DEVICE marker, checked: it must exist, name this volume
     and device, and be of format ``fmt``; VolumeError (one line) otherwise."""

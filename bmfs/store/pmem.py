@@ -38,7 +38,7 @@ from crc32c import crc32c
 
 from ..config import LAYOUTS  # noqa: F401 (of a device directory: pool.py, file.py)
 from ..errors import VolumeError
-from .file import check_own_file
+from ..ownfile import check_own_file
 from .slot import SLOT_SIZE, pack_slot, unpack_slot
 
 MAGIC = b"BMPMEM01"

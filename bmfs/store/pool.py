@@ -50,7 +50,7 @@ import threading
 from ..format import fragment as fr
 from ..errors import VolumeError
 from . import file as _file
-from .file import check_own_file
+from ..ownfile import check_own_file
 from .slot import SLOT_SIZE, pack_slot, unpack_slot
 
 ALIGN = 4096

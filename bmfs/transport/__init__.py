@@ -6,8 +6,9 @@ and may raise; past ``deadline``, in trio time, a read that is still waiting rai
 ``TooSlow``), ``read_many(reads, deadline=inf)`` (several reads, ``reads`` a list of
 (dev, name, ranges, check): each item's parts or the exception it failed with),
 ``delete(dev, name)``, ``sync(dev)``, ``aclose()``. A transport raises
-``DeviceError`` when a device cannot serve a request (missing, down, I/O error); the
-data client treats that like a lost fragment. ``Transport`` declares it.
+``DeviceError`` (bmfs/errors.py) when a device cannot serve a request (missing,
+down, I/O error); the data client treats that like a lost fragment. ``Transport``
+declares the interface.
 
 ``run_in_thread`` is how the data path runs blocking or CPU-heavy work off the event
 loop.
@@ -19,14 +20,7 @@ from typing import Protocol
 
 import trio
 
-
-class DeviceError(Exception):
-    """A device could not serve a request; ``dev`` names it, ``errno`` says why when
-    the device said (ENOSPC: it is full), else None."""
-
-    def __init__(self, dev: int, message: str, errno: int | None = None):
-        super().__init__(f"device {dev}: {message}")
-        self.dev, self.errno = dev, errno
+from ..errors import DeviceError
 
 
 class TooSlow(Exception):

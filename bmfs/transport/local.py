@@ -31,7 +31,8 @@ import time
 import trio
 
 from ..config import get_settings
-from . import DeviceError, read_side_by_side, run_in_thread
+from ..errors import DeviceError
+from . import read_side_by_side, run_in_thread
 
 INLINE_MAX = 64 << 10   # reads up to this size may be done on the event loop
 SLOW_INLINE = 0.00015   # a device whose inline reads average more than this is slow

@@ -24,7 +24,8 @@ from ..node.protocol import (CLIENT, Connection, ProtocolError, client_handshake
                              read_spun)
 from ..node.tls import wrap
 from ..wire import node_pb2 as pb
-from . import DeviceError, TooSlow
+from ..errors import DeviceError
+from . import TooSlow
 
 log = logging.getLogger(__name__)
 Req = pb.Request  # its enum values as class attributes: pb.Request.Op.X looks up more

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..meta.records import Inode
+from ..format.records import Inode
 from .views import INO_MASK
 
 

@@ -18,7 +18,7 @@ import stat
 
 from ..errors import FsError, IsDir, NotFound, ReadOnly
 from ..meta import namespace as ns
-from ..meta.records import Inode
+from ..format.records import Inode
 from .needs import Namespace, StripeStore
 from .openfile import Handle, KernelCopies, OpenFile, state
 from .orphans import Orphans

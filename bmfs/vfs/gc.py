@@ -7,7 +7,7 @@ entry, so a crash in between only means the deletion is done again.
 from __future__ import annotations
 
 from ..meta import keys
-from ..meta.records import Stripe
+from ..format.records import Stripe
 
 
 BATCH = 1000  # stripes a collect() call deletes by default
@@ -42,7 +42,7 @@ async def sweep_leaked(volume) -> int:
     only after its record is committed, so nothing being written is taken for a leak.
     """
     from ..format import fragment as fr
-    from ..transport import DeviceError
+    from ..errors import DeviceError
     listed: dict[int, list[str]] = {}
     for dev in sorted(volume.device_paths):
         if dev in volume.removed:  # forgotten: its directory may be another device now

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ..meta.records import Inode
+from ..format.records import Inode
 from .attr import Attr
 
 

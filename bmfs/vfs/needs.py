@@ -8,7 +8,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any, Awaitable, Callable, Protocol
 
-from ..meta.records import Inode, Stripe
+from ..format.records import Inode, Stripe
 
 # a transaction body of FileSystem.mutate: (txn, chain) -> result
 Mutation = Callable[[Any, Any], Awaitable[Any]]

@@ -16,7 +16,7 @@ import errno
 import trio
 
 from ..errors import FsError
-from ..meta.records import Inode, Stripe
+from ..format.records import Inode, Stripe
 
 PIPELINE = 2  # full stripes of one file stored in the background at once
 

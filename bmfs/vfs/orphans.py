@@ -27,7 +27,7 @@ from ..errors import FsError
 from ..meta import keys, trees
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
-from ..meta.records import Inode
+from ..format.records import Inode
 from .needs import Namespace
 
 log = logging.getLogger(__name__)

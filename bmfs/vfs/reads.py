@@ -17,7 +17,7 @@ from ..errors import IOFailure, NotFound
 from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
-from ..meta.records import UNCOUNTED, Slice, SliceMap, Stripe
+from ..format.records import UNCOUNTED, Slice, SliceMap, Stripe
 from .needs import Namespace, StripeStore
 from .openfile import KernelCopies, OpenFile
 from .writes import Writes

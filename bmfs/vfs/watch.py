@@ -39,7 +39,7 @@ import trio
 from ..errors import FsError
 from ..meta import keys
 from ..meta.layers import layered
-from ..meta.records import Inode
+from ..format.records import Inode
 from .views import CTL_BRANCHES, CTL_SNAPSHOTS, VIEW_SHIFT
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from ..lru import LRU
 from ..meta import keys
 from ..meta import namespace as ns
 from ..meta.keys import CHUNK_SIZE
-from ..meta.records import Slice, compact
+from ..format.records import Slice, compact
 from . import orphans
 from .attr import attr_of
 from .needs import Namespace, StripeStore

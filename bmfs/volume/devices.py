@@ -18,10 +18,9 @@ import shutil
 
 import trio
 
-from ..errors import Invalid, NoSpace, NotFound, VolumeError
+from ..errors import DeviceError, Invalid, NoSpace, NotFound, VolumeError
 from ..meta import keys
 from ..store.pmem import format_if_new, layout_of
-from ..transport import DeviceError
 from .repair import _stripes, repair
 from .volume import device_records, in_service
 

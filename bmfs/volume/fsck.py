@@ -19,14 +19,13 @@ import stat
 from collections import Counter, defaultdict
 
 from ..format import fragment as fr
-from ..errors import MetaDamaged
+from ..errors import DeviceError, MetaDamaged
 from ..kv import seal
 from ..meta import keys
 from ..meta.layers import Chain, lscan, split
-from ..meta.records import (EC, NO_DEVICE, UNCOUNTED, Inode, Stripe, unpack_dentry,
+from ..format.records import (EC, NO_DEVICE, UNCOUNTED, Inode, Stripe, unpack_dentry,
                             unpack_slices)
 from ..meta.namespace import ROOT
-from ..transport import DeviceError
 from ..vfs.gc import collect
 
 RECORDS_PAGE = 1000  # records read at a time by check_records

@@ -124,7 +124,7 @@ def _loopback(address: str) -> bool:
 async def _answers(address: str, dev: int, volume_uuid: str, secret: bytes,
                    tls=None) -> bool:
     """Whether the node at ``address`` serves device ``dev`` of this volume now."""
-    from ..transport import DeviceError
+    from ..errors import DeviceError
     from ..transport.tcp import stat_device
     try:
         info = await stat_device(address, dev, secret, timeout=3.0, tls=tls)

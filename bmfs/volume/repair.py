@@ -29,10 +29,9 @@ import trio
 
 from ..format import fragment as fr
 from ..data.codec import codec
-from ..errors import IOFailure
+from ..errors import DeviceError, IOFailure
 from ..meta import keys
-from ..meta.records import EC, NO_DEVICE, Stripe
-from ..transport import DeviceError
+from ..format.records import EC, NO_DEVICE, Stripe
 from .volume import device_records
 
 log = logging.getLogger(__name__)

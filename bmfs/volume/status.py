@@ -8,7 +8,7 @@ import time
 
 from ..format import fragment as fr
 from ..meta import keys
-from ..meta.records import EC, NO_DEVICE, Stripe
+from ..format.records import EC, NO_DEVICE, Stripe
 
 
 async def volume_status(volume, data_stats: dict | None = None,

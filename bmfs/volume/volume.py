@@ -21,7 +21,7 @@ from ..errors import VolumeError
 from ..kv import open_kv, seal
 from ..meta import keys
 from ..meta.namespace import ROOT
-from ..meta.records import Inode
+from ..format.records import Inode
 from ..store.file import make_private_dir
 from ..store.pmem import (LAYOUTS, check_device_path, format_store, make_private,
                           make_private_folder, open_store, tighten_device)
@@ -163,7 +163,8 @@ async def mkfs(path: str, k: int = 4, m: int = 2, devices: list[str] | None = No
     if len(set(devices)) != len(devices):
         raise VolumeError("the same device path is given twice")
     settings = VolumeSettings(uuid=str(uuidlib.uuid4()), k=k, m=m,
-                              fragment_size=fragment_size, created=time.time())
+                              fragment_size=fragment_size, format=keys.FORMAT_REVISION,
+                              created=time.time())
     meta = meta or f"sqlite:{os.path.realpath(path)}/meta.db"
     kv = await open_kv(meta)
     try:
@@ -497,7 +498,7 @@ class Volume:
     async def device_usage(self, max_age: float = 2.0) -> dict[int, dict | Exception]:
         """Usage of every device ({total, free} or the error), cached for ``max_age`` s."""
         import time as _time
-        from ..transport import DeviceError
+        from ..errors import DeviceError
         now = _time.monotonic()
         if self._usage and now - self._usage[0] < max_age:
             return self._usage[1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..config import get_settings
+from .config import get_settings
 
 
 def optional(module: str):

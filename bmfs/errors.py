@@ -68,3 +68,8 @@ class VolumeError(Exception):
 
     The CLI prints it as one line and exits with status 2.
     """
+
+
+class InUse(VolumeError):
+    """The volume's metadata has one owner (a SQLite database) and another process
+    holds it: a mount, a writing direct client, fsck."""

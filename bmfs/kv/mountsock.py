@@ -156,23 +156,24 @@ class MountSockKV(KV):
             Unavailable: the mount refused the connection or speaks another version.
         """
         kv = cls(path)
-        try:
-            stream = await kv._connect()
-            reply = await kv._ask(stream, bytes([OP_HELLO]) + struct.pack("<H", VERSION))
-            kv._idle.append(stream)
-        except BaseException:
-            await kv._aclose()
-            raise
-        try:
-            info = json.loads(reply)
-            kv.mountpoint = str(info["mountpoint"])
-        except (ValueError, KeyError, TypeError):
-            await kv._aclose()
-            raise Unavailable(f"{path}: the mount's answer is not understood") from None
+        kv._idle.append(await kv._connect())
         return kv
 
     async def _connect(self) -> trio.SocketStream:
-        return await trio.open_unix_socket(self.path)
+        """A new connection, greeted (HELLO): the mount point is learnt from it."""
+        stream = await trio.open_unix_socket(self.path)
+        try:
+            reply = await self._ask(stream, bytes([OP_HELLO]) + struct.pack("<H", VERSION))
+            try:
+                self.mountpoint = str(json.loads(reply)["mountpoint"])
+            except (ValueError, KeyError, TypeError):
+                raise Unavailable(f"{self.path}: the mount's answer is not understood") \
+                    from None
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
+        return stream
 
     async def _ask(self, stream, body: bytes) -> bytes:
         """Send one request on ``stream`` and return its reply's payload.

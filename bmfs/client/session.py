@@ -59,6 +59,8 @@ def os_error(e: Exception, path: str | None = None) -> OSError:
             return PermissionError(errno.EBUSY, f"{msg}; a direct client reads a one-machine "
                                    "volume beside other readers or through its mount, not "
                                    "while another process owns it", path)
+        if isinstance(e.__cause__ or e.__context__, PermissionError):
+            return PermissionError(errno.EACCES, msg, path)  # (another user's volume)
         if "no such volume directory" in msg or "is not a bmfs volume" in msg:
             return FileNotFoundError(errno.ENOENT, msg, path)
         return OSError(errno.EIO, msg, path)

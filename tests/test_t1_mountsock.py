@@ -98,3 +98,18 @@ def test_other_uids_and_too_many_connections_are_closed(tmp_path, monkeypatch):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     trio.run(main)
+
+
+def test_a_volume_path_longer_than_a_socket_address(tmp_path):
+    deep = tmp_path / ("d" * 120)  # (a Unix socket address holds 108 bytes)
+    deep.mkdir()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            _, path = await _served(deep, nursery, {b"a": b"1"})
+            assert len(path) > 108 and os.path.exists(path)
+            c = await MountSockKV.create(path)
+            assert await c.get(b"a") == b"1"
+            await c.aclose()
+            nursery.cancel_scope.cancel()
+    trio.run(main)

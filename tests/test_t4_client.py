@@ -182,6 +182,12 @@ def test_mounted_one_machine_volume(volume, tmp_path):
             with open(os.path.join(m.mp, "f"), "wb") as f:  # close-to-open
                 f.write(b"again")
             assert c.read_file("/f") == b"again"
+            pid = os.fork()  # a DataLoader worker: its own connections to the mount
+            if pid == 0:
+                os._exit(0 if c.read_many([("/d/big", 1000, 5)])[0] == big[1000:1005]
+                         else 1)
+            assert os.waitpid(pid, 0)[1] == 0
+            assert c.read_file("/f") == b"again"
         with bmfs.connect(volume, snapshot="s1") as c:
             assert c.read_file("/f") == b"before" and not c.exists("/d/big")
         with bmfs.connect(volume, branch="dev") as c:

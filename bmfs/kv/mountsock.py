@@ -36,8 +36,10 @@ engine's reader does. A peer that breaks the format gets its connection closed.
 """
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
 import json
+import os
 import struct
 
 import trio
@@ -63,6 +65,17 @@ _ERR = struct.Struct("<H")
 
 class ProtocolError(Exception):
     """A peer broke the wire format (its connection is closed)."""
+
+
+@contextlib.contextmanager
+def reachable(path: str):
+    """``path`` as a Unix socket address short enough to bind or connect to (108
+    bytes at most): through a descriptor of its directory (/proc/self/fd/N/NAME)."""
+    fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{os.path.basename(path)}"
+    finally:
+        os.close(fd)
 
 
 def frame(body: bytes) -> bytes:
@@ -161,7 +174,8 @@ class MountSockKV(KV):
 
     async def _connect(self) -> trio.SocketStream:
         """A new connection, greeted (HELLO): the mount point is learnt from it."""
-        stream = await trio.open_unix_socket(self.path)
+        with reachable(self.path) as at:
+            stream = await trio.open_unix_socket(at)
         try:
             reply = await self._ask(stream, bytes([OP_HELLO]) + struct.pack("<H", VERSION))
             try:

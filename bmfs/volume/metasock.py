@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 512
 PAGE_ROWS = 1024
 PAGE_BYTES = 1 << 20
+ACCEPT_PAUSE = 0.1  # seconds before accepting again after accept(2) failed
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -51,7 +52,9 @@ def peer_uid(sock) -> int:
 async def serve(kv, volume_path: str, mountpoint: str, uid: int | None = None,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``kv``'s reads on the volume's metadata socket until cancelled, to peers
-    of ``uid`` (default: this process's). The socket file is removed at the end."""
+    of ``uid`` (default: this process's). The socket file is removed at the end. A
+    socket that cannot be made is logged, and the mount goes on without it (direct
+    clients are then refused with EBUSY)."""
     path = socket_path(volume_path)
     uid = os.getuid() if uid is None else uid
     listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -61,16 +64,20 @@ async def serve(kv, volume_path: str, mountpoint: str, uid: int | None = None,
     try:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        await listener.bind(tmp)
+        with wire.reachable(tmp) as at:
+            await listener.bind(at)
         os.chmod(tmp, 0o600)
         os.rename(tmp, path)
         listener.listen(64)
         ours = os.stat(path).st_ino
-    except BaseException:
+    except OSError as e:
         listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise
+        log.warning("metadata socket %s cannot be made (%s): direct clients cannot read "
+                    "this volume while it is mounted", path, e)
+        task_status.started()
+        return
     hello = json.dumps({"version": wire.VERSION,
                         "mountpoint": os.path.abspath(mountpoint)}).encode()
     open_now = 0
@@ -78,7 +85,12 @@ async def serve(kv, volume_path: str, mountpoint: str, uid: int | None = None,
         async with trio.open_nursery() as nursery:
             task_status.started()
             while True:
-                sock, _ = await listener.accept()
+                try:
+                    sock, _ = await listener.accept()
+                except OSError as e:  # (EMFILE, ENOBUFS: out of descriptors or memory)
+                    log.warning("metadata socket: accepting a connection failed: %s", e)
+                    await trio.sleep(ACCEPT_PAUSE)
+                    continue
                 if open_now >= MAX_CONNECTIONS:
                     log.warning("metadata socket: %d connections open already; one more "
                                 "is closed", open_now)
@@ -135,7 +147,7 @@ async def _connection(kv, sock, uid: int, hello: bytes) -> None:
                 await stream.send_all(wire.frame(bytes([wire.OK]) + hello))
                 continue
             await stream.send_all(wire.frame(await _answer(kv, op, payload)))
-    except (ProtocolError, trio.BrokenResourceError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - one client's trouble never ends the mount
         log.warning("metadata socket: a client's connection closed: %s", e)
     finally:
         with trio.CancelScope(shield=True):

@@ -78,3 +78,8 @@ class DeviceError(Exception):
     def __init__(self, dev: int, message: str, errno: int | None = None):
         super().__init__(f"device {dev}: {message}")
         self.dev, self.errno = dev, errno
+
+
+class InUse(VolumeError):
+    """The volume's metadata has one owner (a SQLite database) and another process
+    holds it: a mount, a writing direct client, fsck."""

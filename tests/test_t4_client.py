@@ -155,21 +155,93 @@ def test_bad_input(volume, tmp_path):
 
 
 def test_mounted_one_machine_volume(volume, tmp_path):
-    """A mount owns a one-machine volume: the client is refused, the mount goes on;
-    a read-only client keeps a mount from starting until it closes."""
-    _fill(volume, {"/f": b"before"})
+    """A mount owns a one-machine volume: the client reads through it (what the mount
+    committed last, still in its redo log, too), branches and snapshots by name, and
+    is refused writes naming the mount point; once it is unmounted, a read-only
+    client keeps a mount from starting until it closes."""
+    old = os.urandom(300_000)
+    _fill(volume, {"/f": b"before", "/d/old": old})
     with Mounted(volume, tmp_path / "mnt") as m:
-        with pytest.raises(PermissionError, match="mount"):
-            bmfs.connect(volume)
-        with pytest.raises(PermissionError):
+        m.ctl("snapshot_create", name="s1")
+        m.ctl("branch_create", name="dev")
+        big = os.urandom((5 << 20) + 77)
+        with open(os.path.join(m.mp, "d/big"), "wb") as f:
+            f.write(big)
+        with open(os.path.join(m.mp, "f"), "wb") as f:
+            f.write(b"after")
+        # (closed just now: the commits are in the mount's redo log, not the database)
+        assert os.path.getsize(os.path.join(volume, "meta.db-redo")) > 0
+        with bmfs.connect(volume) as c:
+            assert c.read_file("/d/big") == big
+            assert c.read_file("/f") == b"after"
+            assert c.read_file("/d/old") == old
+            assert sorted(c.listdir("/d")) == ["big", "old"]
+            with pytest.raises(PermissionError) as e:
+                c.write_file("/new", b"x")
+            assert e.value.errno == errno.EROFS and f"the mount at {m.mp}" in str(e.value)
+            with open(os.path.join(m.mp, "f"), "wb") as f:  # close-to-open
+                f.write(b"again")
+            assert c.read_file("/f") == b"again"
+            pid = os.fork()  # a DataLoader worker: its own connections to the mount
+            if pid == 0:
+                os._exit(0 if c.read_many([("/d/big", 1000, 5)])[0] == big[1000:1005]
+                         else 1)
+            assert os.waitpid(pid, 0)[1] == 0
+            assert c.read_file("/f") == b"again"
+        with bmfs.connect(volume, snapshot="s1") as c:
+            assert c.read_file("/f") == b"before" and not c.exists("/d/big")
+        with bmfs.connect(volume, branch="dev") as c:
+            assert c.read_file("/f") == b"before"
+        with pytest.raises(PermissionError) as e:
             bmfs.connect(volume, writable=True)
-        with open(os.path.join(m.mp, "f"), "rb") as f:
-            assert f.read() == b"before"
+        assert e.value.errno == errno.EROFS and f"the mount at {m.mp}" in str(e.value)
+        with pytest.raises(FileNotFoundError, match="no branch named 'nope'"):
+            bmfs.connect(volume, branch="nope")
+    assert not os.path.exists(os.path.join(volume, "meta.sock"))
     with bmfs.connect(volume) as c:
         from mountutil import bmfs as run
         res = run("mount", tmp_path / "mnt", "--volume", volume, check=False)
         assert res.returncode != 0 and "in use" in res.stderr
-        assert c.read_file("/f") == b"before"
+        assert c.read_file("/f") == b"again"
+
+
+def test_mount_outlives_bad_socket_clients(volume, tmp_path):
+    """Garbage, oversized frames and clients that go away mid-request on the metadata
+    socket cost only their own connections; the mount and its clients go on."""
+    import socket
+    import struct
+    _fill(volume, {"/f": b"kept"})
+    with Mounted(volume, tmp_path / "mnt") as m, bmfs.connect(volume) as c:
+        path = os.path.join(volume, "meta.sock")
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        hello = struct.pack("<IBH", 3, 1, 1)
+        for junk in (b"\xff" * 100,                              # an oversized frame
+                     struct.pack("<I", 1000) + b"\x02abc",       # gone mid-frame
+                     struct.pack("<IB", 1, 2),                    # a request before HELLO
+                     hello + struct.pack("<IB", 3, 9) + b"xy",    # an unknown request
+                     hello + struct.pack("<IBII", 9, 3, 50, 0)):  # a short RANGE
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            try:
+                while s.recv(65536):  # (the HELLO's answer; then the mount closes it)
+                    pass
+            except ConnectionResetError:  # (closed with the rest of the junk unread)
+                pass
+            s.close()
+        held = [socket.socket(socket.AF_UNIX) for _ in range(5)]  # idle connections
+        for s in held:
+            s.connect(path)
+        with open(os.path.join(m.mp, "f"), "rb") as f:
+            assert f.read() == b"kept"
+        assert c.read_file("/f") == b"kept"
+        with bmfs.connect(volume) as c2:
+            assert c2.read_file("/f") == b"kept"
+        for s in held:
+            s.close()
+        with open(os.path.join(volume, "mount.log")) as f:
+            assert "a frame of 4294967295 bytes" in f.read()
 
 
 def test_snapshots_and_branches_by_name(volume, tmp_path):

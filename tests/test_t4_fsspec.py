@@ -79,6 +79,29 @@ def test_branch_urls_and_errors(volume, tmp_path):
         bm(tmp_path / "novolume").ls("main/")
 
 
+def test_read_while_mounted(volume, tmp_path):
+    """A mount owns the volume: fsspec reads through it, what was written through the
+    mount just before included; writes are refused naming the mount."""
+    from mountutil import Mounted
+    df = pd.DataFrame({"a": range(5000), "b": [f"row {i}" for i in range(5000)]})
+    with Mounted(volume, tmp_path / "mnt") as m:
+        os.makedirs(os.path.join(m.mp, "data"))
+        pq.write_table(pa.Table.from_pandas(df), os.path.join(m.mp, "data", "t.parquet"))
+        blob = os.urandom(1 << 20)
+        with open(os.path.join(m.mp, "data", "blob"), "wb") as f:
+            f.write(blob)
+        fs = bm(volume)
+        assert sorted(fs.ls("main/data", detail=False)) == ["main/data/blob",
+                                                             "main/data/t.parquet"]
+        back = pq.read_table("data/t.parquet", filesystem=fs_main(fs)).to_pandas()
+        assert back.equals(df)
+        assert fs.cat_ranges(["main/data/blob"] * 2, [5, 1000], [10, 5000]) == \
+            [blob[5:10], blob[1000:5000]]
+        with pytest.raises(PermissionError, match=f"the mount at {m.mp}"):
+            fs.pipe_file("main/data/new", b"x")
+        fs.close()
+
+
 from fsspec.tests.abstract import AbstractFixtures  # noqa: E402
 from fsspec.tests.abstract.copy import AbstractCopyTests  # noqa: E402
 from fsspec.tests.abstract.open import AbstractOpenTests  # noqa: E402

@@ -543,3 +543,49 @@ def test_metadata_files_planted_as_links_are_refused(public, name):
         r.stderr.count("\n") == 1, r.stderr
     with open(victim) as f:
         assert f.read() == "root's own\n"
+
+
+def test_metadata_socket_serves_the_mounts_user_only(pub_mnt, public):
+    """A direct client of a mounted one-machine volume reads the mount's metadata over
+    VOLUME/meta.sock: nobody gets PermissionError; with the volume directory and the
+    socket opened up by mistake, the mount still closes nobody's connection unanswered
+    (its peer credentials are not the mount's uid)."""
+    vol, sock = f"{public}/vol", f"{public}/vol/meta.sock"
+    cmd, path = _nobodys_bmfs()
+    code = f"""
+import bmfs
+try:
+    bmfs.connect({vol!r})
+except OSError as e:
+    print(type(e).__name__)
+"""
+    r = as_nobody(cmd[0], "-c", code, pythonpath=path)
+    assert r.stdout.strip() == "PermissionError", r.stdout + r.stderr
+    raw = f"""
+import socket, struct
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect({sock!r})
+except PermissionError:
+    print("refused"); raise SystemExit
+try:
+    s.sendall(struct.pack("<IBH", 3, 1, 1))  # HELLO
+    print("answered" if s.recv(100) else "closed")
+except (BrokenPipeError, ConnectionResetError):
+    print("closed")
+"""
+    r = as_nobody(sys.executable, "-c", raw)
+    assert r.stdout.strip() == "refused", r.stdout + r.stderr
+    os.chmod(vol, 0o755)
+    os.chmod(sock, 0o666)
+    try:
+        r = as_nobody(sys.executable, "-c", raw)
+        assert r.stdout.strip() == "closed", r.stdout + r.stderr
+    finally:
+        os.chmod(sock, 0o600)
+        os.chmod(vol, 0o700)
+    with open(f"{vol}/mount.log") as f:
+        assert "a connection of uid 65534 refused" in f.read()
+    import bmfs
+    with bmfs.connect(vol) as c:  # root, the mount's user, reads on
+        assert c.listdir("/") == sorted(os.listdir(pub_mnt.mp))

@@ -26,7 +26,7 @@ async def read_many(files, items) -> list:
     """``items``: (vfs file handle, offset, length). Returns, item by item, the bytes
     read (bytes, or a memoryview of a reply; shorter at the end of the file)."""
     plans = []  # per item: list of pieces: bytes, or [sid, st, off, n, result]
-    reads = []  # (piece, _CheckedRead)
+    reads = []  # (piece, CheckedRead)
     data = files.data
     txn = files.kv.begin()
     inodes, chunks = {}, {}

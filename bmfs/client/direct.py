@@ -58,7 +58,9 @@ def connect(volume: str, branch: str = "main", snapshot: str | None = None,
 
     Raises:
         FileNotFoundError: no volume there, or no such branch or snapshot.
-        PermissionError: a one-machine volume a mount (or another writer) owns.
+        PermissionError: a one-machine volume another writer (fsck, a writing client)
+            owns (EBUSY); ``writable`` on a mounted one-machine volume, which is read
+            through its mount (EROFS, naming the mount point); another user's volume.
         OSError: anything else the volume refuses, with its errno.
     """
     return Client(volume, branch, snapshot, writable)

@@ -12,8 +12,12 @@ Metadata and writers:
   client takes it as a mount would (nothing else opens the volume meanwhile; a
   forked child cannot use it). Otherwise it reads the database beside other readers
   (SqliteKV.open_shared: a mount cannot start meanwhile; writes raise
-  PermissionError). A volume a mount owns is refused (PermissionError): its newest
-  commits are in that mount's memory and redo log, not in the database.
+  PermissionError). A volume a mount owns is read through that mount: its newest
+  commits are in the mount's memory and redo log, not in the database, and the mount
+  serves its engine's reads on VOLUME/meta.sock (kv/mountsock.py). Writes are then
+  refused (PermissionError, EROFS) naming the mount point to write through; so is
+  ``writable=True``. A volume another process owns (fsck, a writing client) is
+  refused (PermissionError, EBUSY).
 Atimes are left as they are (as on a ``noatime`` mount).
 """
 from __future__ import annotations
@@ -24,7 +28,8 @@ import stat
 
 import trio
 
-from ..errors import FsError, VolumeError
+from ..errors import FsError, InUse, VolumeError
+from ..kv.mountsock import SOCKET_NAME, MountSockKV
 from ..volume import session, upkeep
 from ..vfs.fs import FileSystem
 from ..vfs.views import Views
@@ -52,8 +57,10 @@ def os_error(e: Exception, path: str | None = None) -> OSError:
         msg = str(e)
         if "in use by another bmfs process" in msg:
             return PermissionError(errno.EBUSY, f"{msg}; a direct client reads a one-machine "
-                                   "volume only while no mount owns it (read through the "
-                                   "mount instead)", path)
+                                   "volume beside other readers or through its mount, not "
+                                   "while another process owns it", path)
+        if isinstance(e.__cause__ or e.__context__, PermissionError):
+            return PermissionError(errno.EACCES, msg, path)  # (another user's volume)
         if "no such volume directory" in msg or "is not a bmfs volume" in msg:
             return FileNotFoundError(errno.ENOENT, msg, path)
         return OSError(errno.EIO, msg, path)
@@ -66,11 +73,18 @@ class Session:
     def __init__(self, volume: Volume, fs: FileSystem, writable: bool, nursery):
         self.volume, self.fs, self.writable, self.nursery = volume, fs, writable, nursery
         self.owner = writable and volume.kv.caps.single_writer  # took the SQLite database
+        # read through the mount that owns the volume (its writes go there)
+        self.mount = volume.kv if isinstance(volume.kv, MountSockKV) else None
 
     @classmethod
     async def open(cls, path: str, branch: str, snapshot: str | None, writable: bool,
                    nursery) -> "Session":
-        volume = await Volume.open(path, shared=not writable)
+        try:
+            volume = await Volume.open(path, shared=not writable)
+        except InUse:
+            if writable:
+                await _refuse_if_mounted(path)
+            raise
         if volume.on_nodes:
             volume.transport.pool = NODE_POOL
         try:
@@ -132,10 +146,25 @@ class Session:
         await self.fs.views.refresh()
 
     def check_writable(self, path: str) -> None:
+        if self.mount is not None:
+            raise PermissionError(errno.EROFS, self.mount.refusal(), path)
         if not self.writable:
             raise PermissionError(errno.EROFS, "this client is read-only: "
                                   "bmfs.connect(..., writable=True) writes", path)
         self.fs.check_writable()
+
+
+async def _refuse_if_mounted(path: str) -> None:
+    """Raise PermissionError (EROFS) naming the mount point if a mount owns the
+    one-machine volume at ``path`` (a writable client was asked for)."""
+    try:
+        kv = await MountSockKV.create(os.path.join(path, SOCKET_NAME))
+    except (OSError, FsError):
+        return  # no mount answers: the owner is another process
+    try:
+        raise PermissionError(errno.EROFS, kv.refusal(), path)
+    finally:
+        await kv.aclose()
 
 
 def _parts(path: str) -> list[bytes]:

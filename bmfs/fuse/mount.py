@@ -9,8 +9,9 @@ ready (or an error, which it prints as one line). The child logs to
 Besides serving FUSE the daemon runs the watch that keeps the kernel's caches
 coherent with other mounts of an etcd volume (vfs/watch.py) and the volume's upkeep
 (volume/upkeep.py: garbage collection, repair, the mount's presence record, device
-changes, orphan sweeps), and serves volume administration through the control file
-(volume/admin.py).
+changes, orphan sweeps), serves volume administration through the control file
+(volume/admin.py), and, on a one-machine volume, its metadata's reads to direct
+clients (volume/metasock.py).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..errors import FsError, VolumeError
 from ..vfs.fs import FileSystem
 from ..vfs.inode_attrs import ATIME_MODES
 from ..vfs.watch import Watcher
-from ..volume import admin, upkeep
+from ..volume import admin, metasock, upkeep
 from ..volume.volume import Volume
 from .ops import Operations
 
@@ -70,6 +71,9 @@ async def serve(volume_path: str, mountpoint: str, opts: MountOptions, ready=Non
                 await nursery.start(Watcher(fs).run)
                 await nursery.start(upkeep.run, fs, mountpoint)
                 await nursery.start(_remounts, fs, remount_file(volume_path, mountpoint))
+                if volume.kv.caps.single_writer:
+                    # direct clients of this mount's one-owner metadata read it here
+                    await nursery.start(metasock.serve, volume.kv, volume_path, mountpoint)
                 _write_pid(pidfiles, mountpoint)
                 if ready:
                     ready(None)

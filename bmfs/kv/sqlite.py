@@ -55,7 +55,7 @@ import struct
 from crc32c import crc32c
 
 from ..config import get_settings
-from ..errors import Conflict, MetaDamaged, VolumeError
+from ..errors import Conflict, InUse, MetaDamaged, VolumeError
 from . import KV, Capabilities, merge_rows, prefix_end
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,8 @@ def _locked(url: str, how: int) -> tuple[str, int]:
     owner; LOCK_SH: readers beside each other, no owner).
 
     Raises:
-        VolumeError: a symbolic link among its files, or the lock is taken.
+        VolumeError: a symbolic link among its files. InUse (a VolumeError): the
+            lock is taken.
     """
     path = url.split(":", 1)[1]
     if path.startswith("//"):
@@ -195,7 +196,7 @@ def _locked(url: str, how: int) -> tuple[str, int]:
         fcntl.flock(lockfd, how | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(lockfd)
-        raise VolumeError(f"{path} is in use by another bmfs process (mounted already?)") \
+        raise InUse(f"{path} is in use by another bmfs process (mounted already?)") \
             from None
     return path, lockfd
 

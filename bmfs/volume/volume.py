@@ -17,8 +17,9 @@ import trio
 
 from ..config import VolumeSettings, get_settings, group_id
 from ..data.client import DataClient
-from ..errors import VolumeError
+from ..errors import InUse, Unavailable, VolumeError
 from ..kv import open_kv, seal
+from ..kv.mountsock import SOCKET_NAME, MountSockKV
 from ..meta import keys
 from ..meta.namespace import ROOT
 from ..format.records import Inode
@@ -310,6 +311,24 @@ def _tcp_transport(path, info, records):
                          if not rec.get("removed")}, secret, tls=tls)
 
 
+async def _mount_kv(path: str):
+    """The metadata of the volume at ``path`` read through the mount that owns it
+    (bmfs/kv/mountsock.py), for a direct client.
+
+    Raises:
+        InUse: no mount answers there (the owner is another process: fsck, a writing
+            direct client).
+        PermissionError: this user may not connect to it.
+    """
+    try:
+        return await MountSockKV.create(os.path.join(path, SOCKET_NAME))
+    except PermissionError:
+        raise
+    except (OSError, Unavailable):
+        raise InUse(f"{path} is in use by another bmfs process, not a mount that "
+                    "serves its metadata (fsck, or a writing direct client?)") from None
+
+
 async def read_settings(kv, path: str, meta: str) -> dict:
     """The volume settings, checked: a sealed record (revision 3 on), or the plain JSON
     of an older revision (then ``kv.sealed`` is set False: its values carry no
@@ -400,7 +419,8 @@ class Volume:
         still reads is upgraded first (keys.FORMAT_REVISION), unless ``upgrade`` is
         False: then it is only read (status, fsck without --repair). ``shared``: for
         a direct client (bmfs/client), the metadata opened beside other processes
-        (kv.open_kv); implies ``upgrade=False``.
+        (kv.open_kv), or, where a mount owns a one-machine volume's database, read
+        through that mount (_mount_kv); implies ``upgrade=False``.
 
         Raises VolumeError: no volume there, another volume's metadata, or a format
         revision this bmfs does not read."""
@@ -410,8 +430,13 @@ class Volume:
         if home is not None and not upgrade:
             raise VolumeError(f"{path} is a copy or move of the volume made in {home}: "
                               f"mount it (or fsck --repair) once to make it its own")
-        kv = await open_kv(f"sqlite:{os.path.realpath(path)}/meta.db" if home
-                           else info["meta"], shared=shared)
+        try:
+            kv = await open_kv(f"sqlite:{os.path.realpath(path)}/meta.db" if home
+                               else info["meta"], shared=shared)
+        except InUse:
+            if not shared:
+                raise
+            kv = await _mount_kv(path)
         try:
             d = await read_settings(kv, path, info["meta"])
             if d["format"] != keys.FORMAT_REVISION:

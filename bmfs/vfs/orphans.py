@@ -18,7 +18,6 @@ default: see docs/etcd.md for what it does not handle yet.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable
 
 import trio

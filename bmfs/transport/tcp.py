@@ -21,7 +21,7 @@ import trio
 
 from ..config import get_settings
 from ..node.protocol import (CLIENT, Connection, ProtocolError, client_handshake,
-                             read_spun)
+                             read_batch, read_spun)
 from ..node.tls import wrap
 from ..wire import node_pb2 as pb
 from . import DeviceError, TooSlow
@@ -36,6 +36,10 @@ SMALL_READ = 64 << 10      # reads up to this size measure a node's latency (for
 # the C client's limits (native/client_reads.c): requests of one read_many sent and
 # taken in C at the most, ranges of one request, bytes of a fragment name
 MAX_SPUN, SPUN_RANGES, SPUN_NAME = 16, 8, 64
+# a batch's reads pipelined in C (read_many(batch=True)): idle connections of a node
+# its requests are spread over at the most, and the bytes a reply's frame takes
+# beside its payload (the buffer a connection's replies go into must hold them all)
+BATCH_CONNS, REPLY_OVERHEAD = 2, 256
 # what a request can fail with that is the node's doing (or its deadlines'): DeviceError
 # or TooSlow for the caller (TcpTransport._failed)
 _FAILURES = (trio.TooSlowError, OSError, EOFError, ProtocolError)
@@ -278,7 +282,8 @@ class TcpTransport:
         node.down_until = 0.0
         node.late = 0
 
-    async def read_many(self, reads, deadline: float = math.inf) -> list:
+    async def read_many(self, reads, deadline: float = math.inf,
+                        batch: bool = False) -> list:
         """Several reads as read() does them, ``reads`` a list of (dev, name, ranges,
         check), from this one task: every request is sent before any reply is
         awaited, then the replies are taken in turn (all are wanted, so waiting for
@@ -296,14 +301,20 @@ class TcpTransport:
 
         Small reads with nothing else under way, where the Python path would spin
         for their replies, are sent and taken in C where a pooled connection is idle
-        (_read_spun): a lone read, the usual case, and the k of a degraded one."""
+        (_read_spun): a lone read, the usual case, and the k of a degraded one.
+
+        ``batch``: the caller has an event loop of its own (the direct client's
+        batches): the small reads go out pipelined on the nodes' idle connections and
+        their replies are waited for in C, the loop held meanwhile (_read_batched)."""
         own = trio.current_time() + self.timeout
         out: list = [None] * len(reads)
         sent = collections.deque()
         self._inflight += len(reads)
         try:
             first, spun = True, ()
-            if CLIENT is not None and self.tls is None and self.spin and \
+            if batch and CLIENT is not None and self.tls is None:
+                first = self._read_batched(reads, own, deadline, out)
+            elif CLIENT is not None and self.tls is None and self.spin and \
                     self._inflight == len(reads) and \
                     not self.side_by_side and all(_small(r[2]) for r in reads):
                 first = self._read_spun(reads, own, deadline, out, sent)
@@ -393,6 +404,68 @@ class TcpTransport:
             return True
         self._took(fastest[0], fastest[2], fastest[1])
         return False
+
+    def _read_batched(self, reads, own: float, deadline: float, out: list) -> bool:
+        """read_many's small reads pipelined in C (protocol.read_batch): each node's
+        spread over up to BATCH_CONNS of its idle connections (as many as their
+        buffers hold the replies of), all sent at once, the replies taken as they come
+        until the deadline. The parts of those that came (checked) go into ``out``;
+        those the time ran out on fail as a request past its deadline does (_failed);
+        the others (no idle connection, an error reply, a connection that failed or
+        was stale) are left to the Python path, the request again (every request is
+        idempotent); a connection not answered in full is closed. Returns whether the
+        first round trip is still to be noted (always: a pipelined reply's time says
+        little of its node's latency)."""
+        shares: dict = {}  # node -> [[conn, room, [(i, rid)], requests], ...]
+        for i, (dev, name, ranges, _) in enumerate(reads):
+            node = self.device_node.get(dev)
+            if node is None or len(ranges) > SPUN_RANGES or not _small(ranges):
+                continue
+            bname = name.encode()
+            if len(bname) > SPUN_NAME:
+                continue
+            conns = shares.get(node)
+            if conns is None:
+                conns = shares[node] = [[c, len(c._buf), [], []] for c in (
+                    node.idle.pop() for _ in range(min(len(node.idle), BATCH_CONNS)))]
+            need = sum(n for _, n in ranges) + REPLY_OVERHEAD
+            share = max(conns, key=lambda c: c[1], default=None)
+            if share is None or share[1] < need:
+                continue
+            share[1] -= need
+            rid = next(self._ids)
+            share[2].append(i)
+            share[3].append((rid, dev, bname, ranges))
+        groups, owners = [], []
+        for node, conns in shares.items():
+            for conn, _, items, requests in conns:
+                if items:
+                    groups.append((conn, requests))
+                    owners.append((node, items))
+                else:
+                    node.idle.append(conn)
+        if not groups:
+            return True
+        wait = min(own, deadline) - trio.current_time()
+        try:
+            got = read_batch(groups, wait)
+        except BaseException:
+            for conn, _ in groups:  # (read_batch raised: nothing was sent)
+                conn.close()
+            raise
+        for (conn, _), (node, items), (status, replies) in zip(groups, owners, got):
+            for i, parts in zip(items, replies):
+                out[i] = parts
+                self._check(out, i, reads[i][3])
+            if status == CLIENT.REPLY:
+                self._answered(node, conn)
+                continue
+            conn.close()
+            if status == CLIENT.SPUN:
+                for i in items[len(replies):]:
+                    out[i] = self._failed(node, reads[i][0], trio.TooSlowError(), own,
+                                          deadline)
+        return True
 
     @staticmethod
     def _check(out: list, i: int, check) -> None:

@@ -972,7 +972,8 @@ def test_c_client_pipelines_a_batch_on_one_connection():
     """read_batch sends a connection's requests at once (the frames read_frame builds,
     one after another) and takes their replies in order, whole or split across
     receives; at an error reply it stops (FRAME) with the replies before it taken and
-    the rest left; a peer that closes is CLOSED, one that does not answer SPUN."""
+    the rest left; a peer that closes is CLOSED, one that does not answer SPUN; a
+    connection whose buffer is short for the replies gets a larger one for the batch."""
     reqs = [(11, 2, b"f.0", [(0, 3)]), (12, 2, b"f.1", [(5, 2), (9, 1)]),
             (13, 3, b"f.2", [(0, 4)])]
     pairs = [socket.socketpair() for _ in range(4)]
@@ -1013,6 +1014,25 @@ def test_c_client_pipelines_a_batch_on_one_connection():
         [[b"abc"], [b"xy", b"z"], [b"1234"]]
     assert [len(replies) for _, replies in got] == [3, 1, 1, 0]
     assert bytes(got[1][1][0][0]) == b"abc"
+    # replies that the connection's buffer cannot hold: it grows for the batch
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    small = Connection(b, 4096)
+    big = [(21 + i, 1, b"g.%d" % i, [(0, 3000)]) for i in range(4)]
+    blobs = [os.urandom(3000) for _ in big]
+
+    def answer():
+        BlockingConnection(a, 4096).recv(pb.Request)  # (the first; the rest buffered)
+        for (rid, *_), blob in zip(big, blobs):
+            a.sendall(_frame(pb.Response(id=rid, lengths=[3000]).SerializeToString(), blob))
+    t = threading.Thread(target=answer)
+    t.start()
+    ((status, replies),) = protocol.read_batch([(small, big)], 10.0)
+    t.join(10)
+    assert status == protocol.CLIENT.REPLY
+    assert [bytes(p[0]) for p in replies] == blobs and len(small._buf) == 4096
+    a.close()
+    b.close()
     # the error reply is still there for the Python parser
     resp, _ = trio.run(conns[1].recv, pb.Response)
     assert resp.id == 12 and resp.errno == 2
@@ -1043,10 +1063,13 @@ def test_batched_reads_with_and_without_the_c_client(tmp_path, monkeypatch):
                  for sid, st in zip((41, 42), sts) for i in range(len(st.devices))
                  for off, n in ((0, 4096), (8192 + 17, 3000), (1 << 19, 1))]
         t = nodes.transport
+        # (the Python path first: these nodes share the loop that C holds, so they
+        # must have taken the connections before; real nodes are processes of their
+        # own: a fresh client's first batch is test_t8_client's)
         monkeypatch.setattr(tcp, "CLIENT", None)
         want = [[bytes(p) for p in parts] for parts in await t.read_many(reads)]
         assert calls == [] and len(want) == len(reads) == 36
-        for native in (True, True, False):  # (the first opens the connections)
+        for native in (True, True, False):
             monkeypatch.setattr(tcp, "CLIENT", protocol.CLIENT if native else None)
             del calls[:]
             got = await t.read_many(reads, batch=True)

@@ -36,6 +36,21 @@
  *     `unsent`: None, or the end of the request that the socket did not take (its
  *     send buffer was full; the status is SPUN): the caller sends it, then waits.
  *
+ * read_batch(conns, wait_ns) -> [(status, end, taken, replies), ...]
+ *     A batch's READs pipelined: each of `conns` is (fd, buf, start, end, requests),
+ *     `requests` a list of (id, device, name, ranges) as above (any number). Each
+ *     connection's requests go out in one send (the rest as the socket takes it),
+ *     and their replies, which a node sends in order, are received into `buf` after
+ *     `end` and taken in turn, for all the connections at once, sleeping in poll(2)
+ *     between receives, for at most `wait_ns` nanoseconds in all. For each
+ *     connection: `replies`, [(payload_start, lengths), ...] of the plain replies
+ *     taken, in request order (a prefix of its requests); `taken`, where the bytes
+ *     after the last of them start; `end`, the new end of its received bytes; and its
+ *     status: REPLY (every request's reply taken), FRAME (the next frame is not the
+ *     next request's plain reply, or it would not fit in `buf`), SPUN (the time is
+ *     up) or CLOSED (a send failed, or the peer closed the connection). Past the
+ *     replies taken, the connection is out of step: the caller closes it.
+ *
  * read_frame(id, device, name, ranges) -> bytes
  *     The request frame read_all() sends (for the tests).
  */
@@ -44,6 +59,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -435,7 +451,277 @@ done:
     return out;
 }
 
+/* One connection of read_batch: its socket, buffer and requests in, what came of
+ * them out. */
+typedef struct {
+    int fd, status, n, taken;  /* status -1: still under way */
+    Py_buffer buf;
+    size_t end, cur, flen, sent;  /* cur: where the next reply starts */
+    read_req *reqs;
+    Py_buffer *names;
+    size_t *poff;
+    uint64_t (*len)[MAX_RANGES];
+    unsigned char *frames;
+} bconn_t;
+
+/* Take the whole frames at b->cur while each is the next request's plain reply. */
+static void bconn_take(bconn_t *b)
+{
+    unsigned char *p = b->buf.buf;
+    size_t cap = (size_t)b->buf.len;
+    while (b->taken < b->n) {
+        int st = frame_state(p, b->cur, b->end, cap);
+        if (st < 0)
+            return;
+        read_req *r = &b->reqs[b->taken];
+        uint64_t *len = b->len[b->taken];
+        uint32_t hlen = le32(p + b->cur), plen = le32(p + b->cur + 4);
+        const unsigned char *h = p + b->cur + PREFIX;
+        uint64_t total = 0;
+        int fits = st == FRAME && hlen <= MAX_HEADER && plen <= MAX_PAYLOAD &&
+                   plain_reply(h, h + hlen, r->id, r->nranges, len);
+        for (int j = 0; fits && j < r->nranges; j++) {
+            fits = len[j] <= plen - total;
+            total += len[j];
+        }
+        if (!fits || total != plen) {
+            b->status = FRAME;
+            return;
+        }
+        b->poff[b->taken++] = b->cur + PREFIX + hlen;
+        b->cur += PREFIX + (size_t)hlen + plen;
+    }
+    b->status = REPLY;
+}
+
+/* Send what the socket takes of b's frames, then receive what has come. */
+static void bconn_step(bconn_t *b, short revents)
+{
+    if (b->sent < b->flen) {
+        size_t k;
+        if (send_some(b->fd, b->frames + b->sent, b->flen - b->sent, &k) < 0) {
+            b->status = CLOSED;
+            return;
+        }
+        b->sent += k;
+    }
+    if (!(revents & (POLLIN | POLLERR | POLLHUP)))
+        return;
+    size_t cap = (size_t)b->buf.len;
+    if (b->end == cap) {
+        b->status = FRAME;  /* (no room: the caller's parser makes some) */
+        return;
+    }
+    ssize_t k = recv(b->fd, (unsigned char *)b->buf.buf + b->end, cap - b->end,
+                     MSG_DONTWAIT);
+    if (k > 0) {
+        b->end += (size_t)k;
+        bconn_take(b);
+    } else if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        b->status = CLOSED;
+    }
+}
+
+static void batch_exchange(bconn_t *conns, int n, uint64_t wait_ns)
+{
+    uint64_t until = now_ns() + wait_ns;
+    struct pollfd *fds = malloc(sizeof(*fds) * (size_t)(n ? n : 1));
+    int *which = malloc(sizeof(int) * (size_t)(n ? n : 1));
+    if (fds == NULL || which == NULL) {
+        for (int i = 0; i < n; i++)
+            conns[i].status = CLOSED;
+        free(fds);
+        free(which);
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        bconn_t *b = &conns[i];
+        b->status = -1;
+        size_t off = 0;
+        for (int j = 0; j < b->n; j++)
+            off += build_frame(&b->reqs[j], b->frames + off);
+        b->flen = off;
+        bconn_step(b, 0);
+        if (b->status < 0)
+            bconn_take(b);  /* (replies received before, if any) */
+        if (b->status < 0 && b->n == 0)
+            b->status = REPLY;
+    }
+    for (;;) {
+        int m = 0;
+        for (int i = 0; i < n; i++) {
+            if (conns[i].status >= 0)
+                continue;
+            fds[m].fd = conns[i].fd;
+            fds[m].events = POLLIN | (conns[i].sent < conns[i].flen ? POLLOUT : 0);
+            fds[m].revents = 0;
+            which[m++] = i;
+        }
+        if (m == 0)
+            break;
+        uint64_t now = now_ns();
+        if (now >= until) {
+            for (int i = 0; i < m; i++)
+                conns[which[i]].status = SPUN;
+            break;
+        }
+        struct timespec left = {(time_t)((until - now) / 1000000000u),
+                                (long)((until - now) % 1000000000u)};
+        int got = ppoll(fds, (nfds_t)m, &left, NULL);
+        if (got < 0 && errno != EINTR) {
+            for (int i = 0; i < m; i++)
+                conns[which[i]].status = CLOSED;
+            break;
+        }
+        for (int i = 0; got > 0 && i < m; i++)
+            if (fds[i].revents)
+                bconn_step(&conns[which[i]], fds[i].revents);
+    }
+    free(fds);
+    free(which);
+}
+
+static void bconn_release(bconn_t *b)
+{
+    PyBuffer_Release(&b->buf);
+    for (int j = 0; j < b->n; j++)
+        PyBuffer_Release(&b->names[j]);
+    PyMem_Free(b->reqs);
+    PyMem_Free(b->names);
+    PyMem_Free(b->poff);
+    PyMem_Free(b->len);
+    PyMem_Free(b->frames);
+}
+
+/* A connection of read_batch from (fd, buf, start, end, requests); -1 with an
+ * exception set (what it took released). */
+static int take_bconn(PyObject *item, bconn_t *b)
+{
+    PyObject *requests, *seq;
+    Py_ssize_t start, end;
+    memset(b, 0, sizeof(*b));
+    if (!PyTuple_Check(item) ||
+        !PyArg_ParseTuple(item, "iw*nnO", &b->fd, &b->buf, &start, &end, &requests)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "read_batch: connections must be tuples");
+        return -1;
+    }
+    if (start < 0 || start > end || end > b->buf.len) {
+        PyErr_SetString(PyExc_ValueError, "read_batch: bad buffer bounds");
+        PyBuffer_Release(&b->buf);
+        return -1;
+    }
+    b->end = b->cur = (size_t)end;
+    (void)start;
+    seq = PySequence_Fast(requests, "read_batch: requests must be a sequence");
+    if (seq == NULL) {
+        PyBuffer_Release(&b->buf);
+        return -1;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq), k = count ? count : 1;
+    b->reqs = PyMem_Calloc((size_t)k, sizeof(*b->reqs));
+    b->names = PyMem_Calloc((size_t)k, sizeof(*b->names));
+    b->poff = PyMem_Calloc((size_t)k, sizeof(*b->poff));
+    b->len = PyMem_Calloc((size_t)k, sizeof(*b->len));
+    b->frames = PyMem_Malloc((size_t)k * MAX_FRAME);
+    int bad = b->reqs == NULL || b->names == NULL || b->poff == NULL || b->len == NULL ||
+              b->frames == NULL;
+    if (bad)
+        PyErr_NoMemory();
+    for (Py_ssize_t j = 0; !bad && j < count; j++) {
+        PyObject *ranges;
+        unsigned long long id, device;
+        read_req *r = &b->reqs[j];
+        PyObject *req = PySequence_Fast_GET_ITEM(seq, j);
+        if (!PyTuple_Check(req) ||
+            !PyArg_ParseTuple(req, "KKy*O", &id, &device, &b->names[j], &ranges)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "read_batch: requests must be tuples");
+            bad = 1;
+            break;
+        }
+        b->n = (int)j + 1;
+        r->id = id;
+        r->device = device;
+        bad = take_name(&b->names[j], r) < 0 || take_ranges(ranges, r) < 0;
+    }
+    Py_DECREF(seq);
+    if (bad) {
+        bconn_release(b);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *bconn_result(const bconn_t *b)
+{
+    PyObject *replies = PyList_New(b->taken);
+    for (int j = 0; replies != NULL && j < b->taken; j++) {
+        const read_req *r = &b->reqs[j];
+        PyObject *lengths = PyTuple_New(r->nranges);
+        for (int i = 0; lengths != NULL && i < r->nranges; i++) {
+            PyObject *v = PyLong_FromUnsignedLongLong(b->len[j][i]);
+            if (v == NULL)
+                Py_CLEAR(lengths);
+            else
+                PyTuple_SET_ITEM(lengths, i, v);
+        }
+        PyObject *one = lengths == NULL ? NULL :
+            Py_BuildValue("nN", (Py_ssize_t)b->poff[j], lengths);
+        if (one == NULL)
+            Py_CLEAR(replies);
+        else
+            PyList_SET_ITEM(replies, j, one);
+    }
+    if (replies == NULL)
+        return NULL;
+    return Py_BuildValue("innN", b->status, (Py_ssize_t)b->end, (Py_ssize_t)b->cur,
+                         replies);
+}
+
+static PyObject *read_batch(PyObject *self, PyObject *args)
+{
+    PyObject *conns, *out = NULL;
+    unsigned long long wait_ns;
+    int n = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OK", &conns, &wait_ns))
+        return NULL;
+    PyObject *seq = PySequence_Fast(conns, "read_batch: connections must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    bconn_t *bc = PyMem_Calloc((size_t)(count ? count : 1), sizeof(*bc));
+    if (bc == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (; n < count; n++)
+        if (take_bconn(PySequence_Fast_GET_ITEM(seq, n), &bc[n]) < 0)
+            goto done;
+    Py_BEGIN_ALLOW_THREADS
+    batch_exchange(bc, n, wait_ns);
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    for (int i = 0; out != NULL && i < n; i++) {
+        PyObject *r = bconn_result(&bc[i]);
+        if (r == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, r);
+    }
+done:
+    for (int i = 0; i < n; i++)
+        bconn_release(&bc[i]);
+    PyMem_Free(bc);
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"read_batch", read_batch, METH_VARARGS,
+     "read_batch([(fd, buf, start, end, [(id, device, name, ranges), ...]), ...], wait_ns)"
+     " -> [(status, end, taken, [(payload_start, lengths), ...]), ...]"},
     {"read_all", read_all, METH_VARARGS,
      "read_all([(fd, buf, start, end, id, device, name, ranges), ...], spin_ns, watch_fd)"
      " -> [(status, end, payload_start, lengths, unsent, seconds), ...]"},
@@ -446,7 +732,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "bmfs.node._client",
-    "A lone small READ to a storage node, sent and its reply taken in C.", -1, methods,
+    "Small READs to storage nodes sent and their replies taken in C.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__client(void)

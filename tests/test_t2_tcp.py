@@ -63,9 +63,9 @@ class Nodes:
         (by read_many, which read goes through too)."""
         self.reads, real_many = [], self.transport.read_many
 
-        async def spy_many(reads, deadline=math.inf):
+        async def spy_many(reads, deadline=math.inf, batch=False):
             self.reads.extend((name, ranges) for _, name, ranges, _ in reads)
-            return await real_many(reads, deadline)
+            return await real_many(reads, deadline, batch)
         self.transport.read_many = spy_many
         return self.reads
 
@@ -964,3 +964,131 @@ def test_c_client_takes_several_replies_at_once(tmp_path, monkeypatch):
             a.close()
             c.close()
     trio.run(main)
+
+
+# -- a direct client's batch, pipelined in C (protocol.read_batch) ----------------------
+@needs_client
+def test_c_client_pipelines_a_batch_on_one_connection():
+    """read_batch sends a connection's requests at once (the frames read_frame builds,
+    one after another) and takes their replies in order, whole or split across
+    receives; at an error reply it stops (FRAME) with the replies before it taken and
+    the rest left; a peer that closes is CLOSED, one that does not answer SPUN; a
+    connection whose buffer is short for the replies gets a larger one for the batch."""
+    reqs = [(11, 2, b"f.0", [(0, 3)]), (12, 2, b"f.1", [(5, 2), (9, 1)]),
+            (13, 3, b"f.2", [(0, 4)])]
+    pairs = [socket.socketpair() for _ in range(4)]
+    conns = [Connection(b, 64 << 10) for _, b in pairs]
+    for _, b in pairs:
+        b.setblocking(False)
+    seen = []
+
+    def peer(sock, n, replies, close=False):
+        want = b"".join(protocol.CLIENT.read_frame(*r) for r in reqs)
+        got = b""
+        while len(got) < len(want):
+            got += sock.recv(1 << 16)
+        seen.append(got == want)
+        for r in replies[:n]:
+            for i in range(0, len(r), 5):  # (in pieces: several receives)
+                sock.sendall(r[i:i + 5])
+                time.sleep(0.001)
+        if close:
+            sock.close()
+
+    ok = [_frame(pb.Response(id=11, lengths=[3]).SerializeToString(), b"abc"),
+          _frame(pb.Response(id=12, lengths=[2, 1]).SerializeToString(), b"xyz"),
+          _frame(pb.Response(id=13, lengths=[4]).SerializeToString(), b"1234")]
+    bad = ok[:1] + [_frame(pb.Response(id=12, errno=2, error="gone").SerializeToString())]
+    threads = [threading.Thread(target=peer, args=a) for a in (
+        (pairs[0][0], 3, ok), (pairs[1][0], 2, bad), (pairs[2][0], 1, ok, True),
+        (pairs[3][0], 0, ok))]
+    for t in threads:
+        t.start()
+    got = protocol.read_batch([(c, reqs) for c in conns], 1.0)
+    for t in threads:
+        t.join(10)
+    assert seen == [True] * 4
+    C = protocol.CLIENT
+    assert [status for status, _ in got] == [C.REPLY, C.FRAME, C.CLOSED, C.SPUN]
+    assert [[bytes(p) for p in parts] for parts in got[0][1]] == \
+        [[b"abc"], [b"xy", b"z"], [b"1234"]]
+    assert [len(replies) for _, replies in got] == [3, 1, 1, 0]
+    assert bytes(got[1][1][0][0]) == b"abc"
+    # replies that the connection's buffer cannot hold: it grows for the batch
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    small = Connection(b, 4096)
+    big = [(21 + i, 1, b"g.%d" % i, [(0, 3000)]) for i in range(4)]
+    blobs = [os.urandom(3000) for _ in big]
+
+    def answer():
+        BlockingConnection(a, 4096).recv(pb.Request)  # (the first; the rest buffered)
+        for (rid, *_), blob in zip(big, blobs):
+            a.sendall(_frame(pb.Response(id=rid, lengths=[3000]).SerializeToString(), blob))
+    t = threading.Thread(target=answer)
+    t.start()
+    ((status, replies),) = protocol.read_batch([(small, big)], 10.0)
+    t.join(10)
+    assert status == protocol.CLIENT.REPLY
+    assert [bytes(p[0]) for p in replies] == blobs and len(small._buf) == 4096
+    a.close()
+    b.close()
+    # the error reply is still there for the Python parser
+    resp, _ = trio.run(conns[1].recv, pb.Response)
+    assert resp.id == 12 and resp.errno == 2
+    for a, b in pairs:
+        a.close()
+        b.close()
+
+
+def test_batched_reads_with_and_without_the_c_client(tmp_path, monkeypatch):
+    """A batch (read_many(batch=True)) of small reads of every fragment of two stripes
+    over real node servers gives the Python path's bytes, sent in C where the C client
+    is built (several requests on a connection) and not where it is absent (tcp.CLIENT
+    None); with a node stopped and its connections gone, the reads of its fragments
+    fail with DeviceError, the others are right."""
+    data = os.urandom(3 << 20)
+    calls = []
+    if protocol.CLIENT is not None:
+        real = tcp.read_batch
+
+        def spy(groups, wait):
+            calls.append(sum(len(r) for _, r in groups))
+            return real(groups, wait)
+        monkeypatch.setattr(tcp, "read_batch", spy)
+
+    async def body(nodes, client):
+        sts = [await client.write_stripe(sid, data) for sid in (41, 42)]
+        reads = [(st.devices[i], fr.fragment_name(sid, i), [(LIB_HEADER + off, n)], None)
+                 for sid, st in zip((41, 42), sts) for i in range(len(st.devices))
+                 for off, n in ((0, 4096), (8192 + 17, 3000), (1 << 19, 1))]
+        t = nodes.transport
+        # (the Python path first: these nodes share the loop that C holds, so they
+        # must have taken the connections before; real nodes are processes of their
+        # own: a fresh client's first batch is test_t8_client's)
+        monkeypatch.setattr(tcp, "CLIENT", None)
+        want = [[bytes(p) for p in parts] for parts in await t.read_many(reads)]
+        assert calls == [] and len(want) == len(reads) == 36
+        for native in (True, True, False):
+            monkeypatch.setattr(tcp, "CLIENT", protocol.CLIENT if native else None)
+            del calls[:]
+            got = await t.read_many(reads, batch=True)
+            assert [[bytes(p) for p in parts] for parts in got] == want
+            if native and protocol.CLIENT is not None:
+                assert sum(calls) == len(reads)
+            else:
+                assert calls == []
+        dev = sts[0].devices[1]
+        nodes.stop(dev)
+        node = t.device_node[dev]
+        for conn in node.idle:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        for native in (True, False):
+            monkeypatch.setattr(tcp, "CLIENT", protocol.CLIENT if native else None)
+            got = await t.read_many(reads, batch=True)
+            for (d, *_), w, g in zip(reads, want, got):
+                if d == dev:
+                    assert isinstance(g, DeviceError)
+                else:
+                    assert [bytes(p) for p in g] == w
+    run_with_nodes(tmp_path, body)

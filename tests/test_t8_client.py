@@ -11,6 +11,7 @@ import pytest
 
 import bmfs
 from bmfs.cluster.etcd import ETCD
+from bmfs.transport import tcp
 from mountutil import Mounted, assert_fsck_clean
 from test_t8_cluster import Cluster
 
@@ -23,9 +24,10 @@ def etcd_cluster(tmp_path):
         yield c
 
 
-def test_client_beside_a_mount(etcd_cluster, tmp_path):
+def test_client_beside_a_mount(etcd_cluster, tmp_path, monkeypatch):
     """Close-to-open both ways: what the mount closed, the client reads; what the
-    client wrote and closed, the mount reads; batches across every node."""
+    client wrote and closed, the mount reads; batches across every node (a fresh
+    client's first batch opens a few connections per node, not one per request)."""
     data = os.urandom((13 << 20) + 77)
     with Mounted(etcd_cluster.dir, tmp_path / "mnt") as m:
         with open(os.path.join(m.mp, "f"), "wb") as f:
@@ -43,6 +45,19 @@ def test_client_beside_a_mount(etcd_cluster, tmp_path):
             assert c.read_file("/f")[:7] == b"CHANGED"  # ... seen at the next open
         with open(os.path.join(m.mp, "from-client"), "rb") as f:
             assert f.read() == b"client bytes" * 1000
+        connects, real = [], tcp.TcpTransport._connect
+
+        async def counted(self, node, *args):
+            connects.append(node.address)
+            return await real(self, node, *args)
+        monkeypatch.setattr(tcp.TcpTransport, "_connect", counted)
+        with bmfs.connect(etcd_cluster.dir) as c:
+            items = [("/f", rng.randrange(7, len(data)), 4096) for _ in range(300)]
+            for (_, off, n), b in zip(items, c.read_many(items)):
+                assert bytes(b) == data[off:off + n]  # (past the mount's CHANGED)
+        nodes = len(etcd_cluster.info["nodes"])
+        limit = nodes * tcp.BATCH_CONNS if tcp.CLIENT is not None else len(items)
+        assert 0 < len(connects) <= limit
         assert os.path.isdir(os.path.join(m.mp, "dir"))
     assert_fsck_clean(etcd_cluster.dir)
 

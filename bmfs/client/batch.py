@@ -62,7 +62,7 @@ async def read_many(files, items) -> list:
         plans.append(pieces)
     if reads:
         got = await data.transport.read_many(
-            [(r.dev, r.name, r.ranges, r.verify) for _, r in reads])
+            [(r.dev, r.name, r.ranges, r.verify) for _, r in reads], batch=True)
         for (piece, r), parts in zip(reads, got):
             try:
                 piece[4] = r.done(r.outcome(parts))

@@ -351,6 +351,62 @@ def read_spun(requests, spin: float, watch_fd: int = -1) -> list:
     return out
 
 
+
+# the bytes a READ reply's frame takes beside its payload, at the most (read_batch)
+REPLY_OVERHEAD = 256
+
+
+def read_batch(groups, wait: float) -> list:
+    """A batch's READs pipelined on connections, in C (CLIENT.read_batch) without the
+    GIL: ``groups``, [(conn, [(rid, device, name, ranges), ...]), ...] (a Connection,
+    nothing owed on it, and its requests: the request's id, its device, the fragment
+    name as bytes, (offset, length) pairs); its buffer grows for the batch if it
+    cannot hold every reply. Every connection's requests are sent at once, and their
+    replies (a node answers a connection's requests in order) taken as they come
+    from all the connections, sleeping in poll(2) between, for up to ``wait``
+    seconds. The event loop waits meanwhile: for callers of their own loop
+    (the direct client), not a mount's.
+
+    For each group: (status, replies): ``replies``, the parts of each plain reply
+    taken, in request order (views of one buffer of their own per group), a prefix
+    of its requests; ``status``, CLIENT.REPLY when they are all there, else what
+    ended the wait (FRAME: the next frame is not the next request's plain reply;
+    SPUN: the time is up; CLOSED: the connection failed): the connection is out of
+    step then, the caller closes it."""
+    args, sizes = [], []
+    for conn, requests in groups:
+        if conn._start == conn._end:
+            conn._start = conn._end = 0
+        # room for every reply: a buffer of the batch's own if the connection's is short
+        need = conn._end + sum(n for r in requests for _, n in r[3]) + \
+            REPLY_OVERHEAD * len(requests)
+        sizes.append(len(conn._buf))
+        if need > len(conn._buf):
+            buf = bytearray(need)
+            buf[:conn._end] = conn._buf[:conn._end]
+            conn._buf = buf
+        args.append((conn.sock.fileno(), conn._buf, conn._start, conn._end, requests))
+    out = []
+    for (conn, _), size, (status, conn._end, taken, replies) in zip(
+            groups, sizes, CLIENT.read_batch(args, max(0, int(wait * 1e9)))):
+        got = []
+        if replies:
+            first = replies[0][0]
+            whole = memoryview(bytes(memoryview(conn._buf)[first:taken]))  # (reused)
+            for p0, lengths in replies:
+                pos = p0 - first
+                parts = []
+                for n in lengths:
+                    parts.append(whole[pos:pos + n])
+                    pos += n
+                got.append(parts)
+            conn._start = taken
+        if len(conn._buf) > size and conn._start == conn._end:
+            conn._buf, conn._start, conn._end = bytearray(size), 0, 0  # (copied out)
+        out.append((status, got))
+    return out
+
+
 class FileRange:
     """A payload part sent from a file with sendfile(2) (page cache to socket, no copy
     through user memory): ``length`` bytes at ``offset`` of descriptor ``fd``;

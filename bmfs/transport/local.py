@@ -136,7 +136,8 @@ class LocalTransport:
         await trio.lowlevel.cancel_shielded_checkpoint()
         return out
 
-    async def read_many(self, reads, deadline: float = math.inf) -> list:
+    async def read_many(self, reads, deadline: float = math.inf,
+                        batch: bool = False) -> list:
         """Several reads side by side. A batch (a direct client's read_many: at least
         BATCH_THREADED reads) is cut into one job per worker thread, each job reading
         its share one after another: as many reads in flight as threads, without a

@@ -20,8 +20,8 @@ import time
 import trio
 
 from ..config import get_settings
-from ..node.protocol import (CLIENT, Connection, ProtocolError, client_handshake,
-                             read_spun)
+from ..node.protocol import (CLIENT, REPLY_OVERHEAD, Connection, ProtocolError,
+                             client_handshake, read_batch, read_spun)
 from ..node.tls import wrap
 from ..wire import node_pb2 as pb
 from ..errors import DeviceError
@@ -37,6 +37,10 @@ SMALL_READ = 64 << 10      # reads up to this size measure a node's latency (for
 # the C client's limits (native/client_reads.c): requests of one read_many sent and
 # taken in C at the most, ranges of one request, bytes of a fragment name
 MAX_SPUN, SPUN_RANGES, SPUN_NAME = 16, 8, 64
+# a batch's reads pipelined in C (read_many(batch=True)): idle connections of a node
+# its requests are spread over at the most, and the bytes of replies one connection
+# takes at the most (protocol.read_batch grows its buffer for them)
+BATCH_CONNS, BATCH_BUFFER = 2, 2 << 20
 # what a request can fail with that is the node's doing (or its deadlines'): DeviceError
 # or TooSlow for the caller (TcpTransport._failed)
 _FAILURES = (trio.TooSlowError, OSError, EOFError, ProtocolError)
@@ -279,7 +283,8 @@ class TcpTransport:
         node.down_until = 0.0
         node.late = 0
 
-    async def read_many(self, reads, deadline: float = math.inf) -> list:
+    async def read_many(self, reads, deadline: float = math.inf,
+                        batch: bool = False) -> list:
         """Several reads as read() does them, ``reads`` a list of (dev, name, ranges,
         check), from this one task: every request is sent before any reply is
         awaited, then the replies are taken in turn (all are wanted, so waiting for
@@ -297,14 +302,20 @@ class TcpTransport:
 
         Small reads with nothing else under way, where the Python path would spin
         for their replies, are sent and taken in C where a pooled connection is idle
-        (_read_spun): a lone read, the usual case, and the k of a degraded one."""
+        (_read_spun): a lone read, the usual case, and the k of a degraded one.
+
+        ``batch``: the caller has an event loop of its own (the direct client's
+        batches): the small reads go out pipelined on the nodes' idle connections and
+        their replies are waited for in C, the loop held meanwhile (_read_batched)."""
         own = trio.current_time() + self.timeout
         out: list = [None] * len(reads)
         sent = collections.deque()
         self._inflight += len(reads)
         try:
             first, spun = True, ()
-            if CLIENT is not None and self.tls is None and self.spin and \
+            if batch and CLIENT is not None and self.tls is None:
+                first = await self._read_batched(reads, own, deadline, out)
+            elif CLIENT is not None and self.tls is None and self.spin and \
                     self._inflight == len(reads) and \
                     not self.side_by_side and all(_small(r[2]) for r in reads):
                 first = self._read_spun(reads, own, deadline, out, sent)
@@ -394,6 +405,100 @@ class TcpTransport:
             return True
         self._took(fastest[0], fastest[2], fastest[1])
         return False
+
+    async def _read_batched(self, reads, own: float, deadline: float, out: list) -> bool:
+        """read_many's small reads pipelined in C (protocol.read_batch): each node's
+        spread over BATCH_CONNS of its connections (opened first where the pool
+        has fewer idle: the reads of a node none can be opened to fail at once, as
+        _failed says; up to BATCH_BUFFER bytes of replies each), all sent at once,
+        the replies taken as they come until the deadline. The parts of those that
+        came (checked) go into ``out``; those the time ran out on fail as a request
+        past its deadline does (_failed); the others (large ones, those beyond the
+        connections' room, an error reply's and those after it on its connection,
+        a connection that failed or was stale) are left to the Python path, the
+        request again (every request is idempotent); a connection not answered in
+        full is closed. Returns whether the first round trip is still to be noted
+        (always: a pipelined reply's time says little of its node's latency)."""
+        shares: dict = {}  # node -> [[conn, room, [(i, rid)], requests], ...]
+        refused: dict = {}  # node -> the error its connect failed with
+        at = min(own, deadline)
+        try:
+            await self._batch_shares(reads, own, deadline, out, shares, refused)
+        except BaseException:  # (cancelled while connecting: nothing sent yet)
+            for node, conns in shares.items():
+                node.idle.extend(c[0] for c in conns)
+            raise
+        groups, owners = [], []
+        for node, conns in shares.items():
+            for conn, _, items, requests in conns:
+                if items:
+                    groups.append((conn, requests))
+                    owners.append((node, items))
+                else:
+                    node.idle.append(conn)
+        if not groups:
+            return True
+        wait = at - trio.current_time()
+        try:
+            got = read_batch(groups, wait)
+        except BaseException:
+            for conn, _ in groups:  # (read_batch raised: nothing was sent)
+                conn.close()
+            raise
+        for (conn, _), (node, items), (status, replies) in zip(groups, owners, got):
+            for i, parts in zip(items, replies):
+                out[i] = parts
+                self._check(out, i, reads[i][3])
+            if status == CLIENT.REPLY:
+                self._answered(node, conn)
+                continue
+            conn.close()
+            if status == CLIENT.SPUN:
+                for i in items[len(replies):]:
+                    out[i] = self._failed(node, reads[i][0], trio.TooSlowError(), own,
+                                          deadline)
+        return True
+
+    async def _batch_shares(self, reads, own: float, deadline: float, out: list,
+                            shares: dict, refused: dict) -> None:
+        """_read_batched's plan: into ``shares``, node by node, its connections, each
+        with its room left, read indexes and requests; into ``refused``, the nodes
+        no connection could be opened to (and their reads' errors into ``out``)."""
+        at = min(own, deadline)
+        for i, (dev, name, ranges, _) in enumerate(reads):
+            node = self.device_node.get(dev)
+            if node is None or len(ranges) > SPUN_RANGES or not _small(ranges):
+                continue
+            bname = name.encode()
+            if len(bname) > SPUN_NAME:
+                continue
+            if node in refused:
+                out[i] = refused[node]
+                continue
+            conns = shares.get(node)
+            if conns is None:
+                # (a pool short of idle connections: a batch's first, say, which would
+                # otherwise open one per request on the Python path)
+                while len(node.idle) < BATCH_CONNS and node.down_until <= time.monotonic():
+                    try:
+                        node.idle.append(await self._connect(node, at))
+                    except _FAILURES as e:
+                        if not node.idle:  # (its reads fail at once, not one by one)
+                            out[i] = refused[node] = self._failed(node, dev, e, own,
+                                                                  deadline)
+                        break
+                if node in refused:
+                    continue
+                conns = shares[node] = [[c, BATCH_BUFFER, [], []] for c in (
+                    node.idle.pop() for _ in range(min(len(node.idle), BATCH_CONNS)))]
+            need = sum(n for _, n in ranges) + REPLY_OVERHEAD
+            share = max(conns, key=lambda c: c[1], default=None)
+            if share is None or share[1] < need:
+                continue
+            share[1] -= need
+            rid = next(self._ids)
+            share[2].append(i)
+            share[3].append((rid, dev, bname, ranges))
 
     @staticmethod
     def _check(out: list, i: int, check) -> None:

@@ -37,9 +37,9 @@ from ..vfs.watch import watch_devices
 from ..volume.volume import Volume
 
 ROOT = 1  # the root of the opened tree (view 0), in the vfs's inode numbers
-# connections kept open to each storage node (TcpTransport.pool): a batch sends its
-# requests to a node at once, one per connection, and connections beyond the pool are
-# closed once answered (opened again, with their handshake, for the next batch)
+# connections kept open to each storage node (TcpTransport.pool): a batch's small reads
+# go out pipelined on tcp.BATCH_CONNS of them; the reads the C path does not take use
+# one connection each, and connections beyond the pool are closed once answered
 NODE_POOL = 64
 
 

@@ -63,9 +63,9 @@ class Nodes:
         (by read_many, which read goes through too)."""
         self.reads, real_many = [], self.transport.read_many
 
-        async def spy_many(reads, deadline=math.inf, batch=False):
+        async def spy_many(reads, deadline=math.inf, batch=False, into=None):
             self.reads.extend((name, ranges) for _, name, ranges, _ in reads)
-            return await real_many(reads, deadline, batch)
+            return await real_many(reads, deadline, batch, into)
         self.transport.read_many = spy_many
         return self.reads
 

@@ -65,6 +65,43 @@ def test_read_many_and_readinto(volume):
             assert c.read_many([(f, 7, 3)])[0] == data[7:10]
 
 
+@pytest.mark.parametrize("layout", ["files", "pool"])
+def test_aligned_reads_into_callers_buffers(tmp_path, layout):
+    """A sequential reader's block-aligned ranges are read into its own buffers (the
+    payload straight from the devices): every byte right, including where blocks
+    are corrupt (their ranges decoded over what was read), past the end, and into
+    buffers larger than asked for, whose bytes beyond the read stay as they were."""
+    from fragments import flip, on_volume, payload_area
+    from mountutil import mkfs
+    vol = tmp_path / "vol"
+    mkfs(vol, "--layout", layout)
+    MiB = 1 << 20
+    data = os.urandom(10 * MiB + 12345)  # three stripes, the last one short
+    _fill(vol, {"/f": data})
+    frags = [f for f in on_volume(vol) if f.idx in (1, 3) and f.sid == min(
+        g.sid for g in on_volume(vol))]
+    for f in frags:  # two data fragments of the first stripe, one block each
+        start, _ = payload_area(f)
+        flip(f, start + (200 << 10))
+    items = [("/f", off, MiB) for off in range(0, len(data) + MiB, MiB)]
+    items += [("/f", 4096, 64 << 10), ("/f", 3 * MiB + 100, MiB)]
+    with bmfs.connect(vol) as c:
+        for _ in range(2):  # (the second time with the fragments' tables cached)
+            bufs = [bytearray(b"\xee" * (n + 10)) for _, _, n in items]
+            counts = c.read_many(items, out=bufs)
+            for (_, off, n), b, k in zip(items, bufs, counts):
+                assert k == len(data[off:off + n])
+                assert b[:k] == data[off:off + n]
+                assert b[k:] == b"\xee" * (len(b) - k)
+        with c.open("/f", buffering=0) as f:
+            buf, got = bytearray(MiB), bytearray()
+            while n := f.readinto(buf):
+                got += buf[:n]
+            assert got == data
+        with pytest.raises(ValueError):
+            c.read_many([("/f", 0, MiB)], out=[bytearray(10)])
+
+
 def test_degraded_batch_decodes(volume):
     """Two devices gone (m=2): a batch still reads every byte right, decoded."""
     data = os.urandom(4 << 20)

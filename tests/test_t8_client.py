@@ -139,3 +139,32 @@ def test_nodes_down_and_a_wrong_secret(etcd_cluster, tmp_path):
     finally:
         with open(os.path.join(etcd_cluster.dir, "secret"), "wb") as f:
             f.write(good)
+
+
+def test_aligned_reads_into_buffers_across_nodes(etcd_cluster):
+    """A sequential reader's 1 MiB ranges are received straight into its buffers from
+    the nodes: every byte right with a node down and a corrupt block in one data
+    fragment of each stripe (decoded over what was received), and past the end."""
+    from fragments import flip, on_device, payload_area
+    MiB = 1 << 20
+    data = os.urandom(10 * MiB + 12345)
+    with bmfs.connect(etcd_cluster.dir, writable=True) as c:
+        c.write_file("/f", data)
+    for n in range(6):
+        for f in on_device(f"{etcd_cluster.dir}/node{n}/dev"):
+            if f.idx == 1:
+                flip(f, payload_area(f)[0] + (300 << 10))
+    etcd_cluster.kill(0)
+    items = [("/f", off, MiB) for off in range(0, len(data) + MiB, MiB)]
+    with bmfs.connect(etcd_cluster.dir) as c:
+        for _ in range(2):
+            bufs = [bytearray(b"\xee" * (MiB + 10)) for _ in items]
+            counts = c.read_many(items, out=bufs)
+            for (_, off, n), b, k in zip(items, bufs, counts):
+                assert k == len(data[off:off + n])
+                assert b[:k] == data[off:off + n] and b[k:] == b"\xee" * (len(b) - k)
+        with c.open("/f", buffering=0) as f:
+            buf, got = bytearray(MiB), bytearray()
+            while n := f.readinto(buf):
+                got += buf[:n]
+            assert got == data

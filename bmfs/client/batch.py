@@ -8,7 +8,11 @@ the transport in one ``read_many`` (TcpTransport: every request is sent before a
 reply is awaited, to every node at once; small ones sent and taken in C). A read
 that fails (a node down, a corrupt block) is done again by the data client's own
 path, which decodes the stripe from any k fragments. Replies are handed back as
-they came (views of the reply buffers), or copied once into the caller's buffers.
+they came (views of the reply buffers), or put in the caller's buffers (``out``):
+a fragment range that is exactly a piece of the caller's range (block-aligned, as
+a sequential reader's 1 MiB reads are) is read straight into its place (local
+devices: a preadv into the caller's buffer, verified there), anything else is
+copied in once.
 """
 from __future__ import annotations
 
@@ -22,9 +26,11 @@ from ..meta.keys import CHUNK_SIZE
 from ..format.records import EC, INLINE, NO_DEVICE, SliceMap, Stripe
 
 
-async def read_many(files, items) -> list:
+async def read_many(files, items, out=None) -> list:
     """``items``: (vfs file handle, offset, length). Returns, item by item, the bytes
-    read (bytes, or a memoryview of a reply; shorter at the end of the file)."""
+    read (bytes, or a memoryview of a reply; shorter at the end of the file); with
+    ``out`` (one writable buffer per item, each at least its item's length), the
+    bytes are put there instead and their counts returned."""
     plans = []  # per item: list of pieces: bytes, or [sid, st, off, n, result]
     reads = []  # (piece, CheckedRead)
     data = files.data
@@ -60,28 +66,64 @@ async def read_many(files, items) -> list:
                 pieces.extend(await _plan(files, txn, of, p, reads))
             pos = idx * CHUNK_SIZE + cend
         plans.append(pieces)
+    into, into_of = _places(plans, reads, out) if out is not None else (None, None)
     if reads:
         got = await data.transport.read_many(
-            [(r.dev, r.name, r.ranges, r.verify) for _, r in reads], batch=True)
+            [(r.dev, r.name, r.ranges, r.verify) for _, r in reads], batch=True, into=into)
         for (piece, r), parts in zip(reads, got):
             try:
                 piece[4] = r.done(r.outcome(parts))
             except (DeviceError, fr.CorruptFragment) as e:
                 piece[4] = e
-    out = []
-    for pieces in plans:
-        bufs = []
+    results = []
+    for k, pieces in enumerate(plans):
+        bufs = []  # (bytes, whether it is in the caller's buffer already)
         for p in pieces:
+            placed = False
             if isinstance(p, list):
                 sid, st, off, n, got = p
                 if got is None or isinstance(got, Exception):
                     got = await data.read(sid, st, off, n)  # degraded: decoded
                     if len(got) < n:
                         raise IOFailure(f"stripe {sid}: shorter than its slice")
+                placed = into is not None and got is into_of.get(id(p))
                 p = got
-            bufs.append(p)
-        out.append(bufs[0] if len(bufs) == 1 else b"".join(bufs) if bufs else b"")
-    return out
+            bufs.append((p, placed))
+        if out is None:
+            results.append(bufs[0][0] if len(bufs) == 1 else
+                           b"".join(b for b, _ in bufs) if bufs else b"")
+            continue
+        dest, pos = memoryview(out[k]).cast("B"), 0
+        for b, placed in bufs:
+            n = len(b)
+            if not placed:
+                dest[pos:pos + n] = b
+            pos += n
+        results.append(pos)
+    return results
+
+
+def _places(plans, reads, out) -> tuple[list, dict]:
+    """Per read of ``reads``, the part of the caller's buffer (``out``) its payload is
+    read into, or None: where the read's payload is exactly its piece (it starts on a
+    block and ends on one, or at the payload's end); and id(piece) -> that part."""
+    where = {}
+    for pieces, buf in zip(plans, out):
+        dest, pos = memoryview(buf).cast("B"), 0
+        for p in pieces:
+            n = p[3] if isinstance(p, list) else len(p)
+            if isinstance(p, list) and pos + n <= len(dest):
+                where[id(p)] = dest[pos:pos + n]
+            pos += n
+    into, into_of = [], {}
+    for piece, r in reads:
+        view = where.get(id(piece))
+        if view is not None and r.cut == (0, r.length) and len(view) == r.length:
+            into_of[id(piece)] = view
+        else:
+            view = None
+        into.append(view)
+    return into, into_of
 
 
 async def _plan(files, txn, of, p, reads) -> list:

@@ -246,8 +246,12 @@ class Client:
         Raises FileNotFoundError for a missing path, OSError (EIO) for data that
         cannot be read or verified."""
         items = list(items)
-        if out is not None and len(out) != len(items):
-            raise ValueError("read_many: one buffer per item")
+        if out is not None:
+            if len(out) != len(items):
+                raise ValueError("read_many: one buffer per item")
+            for buf, (_, _, length) in zip(out, items):
+                if memoryview(buf).nbytes < length:
+                    raise ValueError("read_many: a buffer shorter than its item's length")
         opened: dict[str, File] = {}
         try:
             fhs = []
@@ -263,19 +267,11 @@ class Client:
                 fhs.append((f._handle(), offset, length))
 
             async def fn(s):
-                return await _read_many(s.fs.files, fhs)
-            got = self._call(fn)
+                return await _read_many(s.fs.files, fhs, out)
+            return self._call(fn)
         finally:
             for f in opened.values():
                 f.close()
-        if out is None:
-            return got
-        counts = []
-        for buf, data in zip(out, got):
-            n = len(data)
-            memoryview(buf).cast("B")[:n] = data
-            counts.append(n)
-        return counts
 
 
     # -- typed views (typed.py) --------------------------------------------------------
@@ -412,12 +408,21 @@ class File(io.RawIOBase):
         return self.client._call(fn, path=self.path)
 
     def readinto(self, buf) -> int:
-        view = memoryview(buf).cast("B")
-        data = self.pread(len(view), self._pos)
-        n = len(data)
-        view[:n] = data
+        """Read into ``buf`` (block-aligned ranges straight from the devices)."""
+        n = self.preadinto(buf, self._pos)
         self._pos += n
         return n
+
+    def preadinto(self, buf, offset: int) -> int:
+        """Read ``len(buf)`` bytes at ``offset`` into ``buf``; the count read."""
+        if not self._read:
+            raise io.UnsupportedOperation("not readable")
+        view = memoryview(buf).cast("B")
+        fh = self._handle()
+
+        async def fn(s):
+            return (await _read_many(s.fs.files, [(fh, offset, len(view))], [view]))[0]
+        return self.client._call(fn, path=self.path)
 
     def read(self, size: int = -1):
         if size is None or size < 0:

@@ -248,10 +248,14 @@ class Connection(_Framing):
         while view is not None and self._end - self._start < need:
             self._end += await self._recv_into(view[self._end:])
 
-    async def recv(self, message_type, own_payload: bool = False) -> tuple[object, memoryview]:
+    async def recv(self, message_type, own_payload: bool = False,
+                   tail=None) -> tuple[object, object]:
         """The next frame: (parsed header, payload view valid until the next recv).
         With ``own_payload`` the payload is a fresh buffer of its own (received into
-        directly when it is large), valid for as long as the caller keeps it."""
+        directly when it is large), valid for as long as the caller keeps it.
+        ``tail(header, payload_length)``: where it returns a writable view (of at
+        most the payload's length) of a large payload, the payload's last bytes are
+        received straight into it, and the payload is (own buffer of the rest, view)."""
         await self._fill(PREFIX.size)
         hlen, plen = self._sizes()
         direct = own_payload and plen > OWN_DIRECT
@@ -260,8 +264,24 @@ class Connection(_Framing):
         if not direct:
             view = self._take(plen)
             return msg, (memoryview(bytes(view)) if own_payload else view)
+        into = tail(msg, plen) if tail is not None else None
+        if into is not None:
+            rest = plen - len(into)  # (a header's bytes, or nothing: no pooled buffer)
+            head = _reply_buffers.get(rest) if rest > OWN_DIRECT else memoryview(bytearray(rest))
+            got = min(rest, self._end - self._start)
+            head[:got] = self._take(got)
+            n = min(len(into), self._end - self._start)
+            into[:n] = self._take(n)
+            await self._recv_all(head, got)
+            await self._recv_all(into, n)
+            return msg, (head, into)
         view, got = self._own_start(plen)
-        lowat = 1
+        await self._recv_all(view, got)
+        return msg, view
+
+    async def _recv_all(self, view, got: int) -> None:
+        """Receive into ``view`` from ``got`` to its end, straight from the socket."""
+        plen, lowat = len(view), 1
         try:
             while got < plen:
                 try:
@@ -283,7 +303,6 @@ class Connection(_Framing):
             if lowat != 1:  # (a socket that broke meanwhile is closed by the caller)
                 with contextlib.suppress(OSError):
                     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
-        return msg, view
 
     async def send(self, message, payload_parts=()) -> None:
         frame = self._frame(message, payload_parts)

@@ -26,6 +26,7 @@ import stat
 import threading
 
 from ..errors import VolumeError
+from . import pread_into
 
 log = logging.getLogger(__name__)
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -374,10 +375,17 @@ class FileStore:
             os.close(fd)
             raise
 
-    def read_parts(self, name: str, ranges) -> list[bytes]:
+    def read_parts(self, name: str, ranges, into=None) -> list:
+        """The byte ranges ((offset, length) pairs) of fragment ``name``. ``into``: a
+        writable buffer of the last range's length that range is read into (the
+        part returned for it is a view of it, shorter where the file ends sooner)."""
         fd = os.open(self._file(name), _READ)
         try:
-            out = [os.pread(fd, length, offset) for offset, length in ranges]
+            if into is None:
+                out = [os.pread(fd, length, offset) for offset, length in ranges]
+            else:
+                out = [os.pread(fd, length, offset) for offset, length in ranges[:-1]]
+                out.append(pread_into(fd, ranges[-1][0], into))
             if self.drop_behind and sum(n for _, n in ranges) >= DROP_BEHIND:
                 try:  # only advice: a filesystem that refuses it does not fail the read
                     for offset, length in ranges:

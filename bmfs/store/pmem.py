@@ -183,17 +183,23 @@ class PmemStore:
         start = off // mmap.PAGESIZE * mmap.PAGESIZE
         self._map.flush(start, off + n - start)
 
-    def read_parts(self, name: str, ranges) -> list[bytes]:
+    def read_parts(self, name: str, ranges, into=None) -> list:
+        """FileStore.read_parts, copied out of the mapping."""
         with self._lock:
             ent = self._index.get(name)
         if ent is None:
             raise FileNotFoundError(2, f"no fragment {name}", name)
         _, off, length = ent
         out = []
-        for o, n in ranges:
+        for j, (o, n) in enumerate(ranges):
             o = min(o, length)
             n = max(0, min(n, length - o))
-            out.append(bytes(self._mv[off + o: off + o + n]))
+            if into is not None and j == len(ranges) - 1:
+                view = memoryview(into).cast("B")[:n]
+                view[:] = self._mv[off + o: off + o + len(view)]
+                out.append(view)
+            else:
+                out.append(bytes(self._mv[off + o: off + o + n]))
         return out
 
     def read(self, name: str, offset: int, length: int) -> bytes:

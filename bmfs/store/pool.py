@@ -49,6 +49,7 @@ import threading
 
 from ..format import fragment as fr
 from ..errors import VolumeError
+from . import pread_into
 from . import file as _file
 from ..ownfile import check_own_file
 from .slot import SLOT_SIZE, pack_slot, unpack_slot
@@ -417,7 +418,7 @@ class PoolStore:
             else:
                 del self._reading[epoch]
 
-    def read_parts(self, name: str, ranges) -> list[bytes]:
+    def read_parts(self, name: str, ranges, into=None) -> list:
         """Small reads use one descriptor that asks for no read-ahead (a 4 KiB read
         reads 4 KiB); large ones, sequential readers', open their own, whose
         read-ahead state no other reader disturbs (on one shared descriptor their
@@ -430,10 +431,14 @@ class PoolStore:
         fd = os.open(sp.path, os.O_RDONLY | _NOLINK) if large else sp.rfd
         try:
             out = []
-            for o, n in ranges:
+            for j, (o, n) in enumerate(ranges):
                 o = min(o, length)
                 n = max(0, min(n, length - o))
-                out.append(os.pread(fd, n, base + o) if n else b"")
+                if into is not None and j == len(ranges) - 1:  # (FileStore.read_parts)
+                    view = memoryview(into).cast("B")
+                    out.append(pread_into(fd, base + o, view if n >= len(view) else view[:n]))
+                else:
+                    out.append(os.pread(fd, n, base + o) if n else b"")
             if large and self.drop_behind:
                 try:  # only advice, as in FileStore.read_parts
                     for o, n in ranges:

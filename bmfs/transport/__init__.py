@@ -5,6 +5,10 @@ deadline=inf) -> list of bytes`` (``check(parts)`` verifies them where they were
 and may raise; past ``deadline``, in trio time, a read that is still waiting raises
 ``TooSlow``), ``read_many(reads, deadline=inf)`` (several reads, ``reads`` a list of
 (dev, name, ranges, check): each item's parts or the exception it failed with),
+with ``into`` (read and read_many's ``into=``, for a caller reading into buffers of
+its own): where given, a writable buffer the last range may be read into (the
+part returned is then a view of it; a transport that does not is free to return
+a buffer of its own instead, which the caller copies),
 ``delete(dev, name)``, ``sync(dev)``, ``aclose()``. A transport raises
 ``DeviceError`` (bmfs/errors.py) when a device cannot serve a request (missing,
 down, I/O error); the data client treats that like a lost fragment. ``Transport``
@@ -39,11 +43,12 @@ class Transport(Protocol):
 
     async def put(self, dev: int, name: str, parts: list) -> None: ...
     async def read(self, dev: int, name: str, ranges, check=None,
-                   deadline: float = math.inf) -> list: ...
+                   deadline: float = math.inf, into=None) -> list: ...
     # batch: the caller's event loop may be held while the replies come (the direct
-    # client's batches: TcpTransport pipelines them in C)
+    # client's batches: TcpTransport pipelines them in C); into: per read, None or
+    # the buffer its last range may be read into
     async def read_many(self, reads, deadline: float = math.inf,
-                        batch: bool = False) -> list: ...
+                        batch: bool = False, into=None) -> list: ...
     async def delete(self, dev: int, name: str) -> None: ...
     async def sync(self, dev: int) -> None: ...
     async def names(self, dev: int) -> list[str]: ...
@@ -72,7 +77,8 @@ async def run_in_thread(fn, *args, limiter: trio.CapacityLimiter | None = None):
     return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
 
 
-async def read_side_by_side(transport, reads, deadline: float = math.inf) -> list:
+async def read_side_by_side(transport, reads, deadline: float = math.inf,
+                            into=None) -> list:
     """``transport.read_many`` as one task per read: for a transport whose reads cost
     the same side by side (local devices: worker threads, or inline)."""
     out: list = [None] * len(reads)
@@ -89,7 +95,8 @@ async def read_side_by_side(transport, reads, deadline: float = math.inf) -> lis
 
         try:
             out[i] = await transport.read(dev, name, ranges,
-                                          checked if check is not None else None, deadline)
+                                          checked if check is not None else None, deadline,
+                                          into[i] if into else None)
         except (DeviceError, TooSlow) as e:
             out[i] = e
         except Exception as e:

@@ -103,25 +103,24 @@ class LocalTransport:
         await self._call(dev, "write", name, parts)
 
     async def read(self, dev: int, name: str, ranges, check=None,
-                   deadline: float = math.inf) -> list[bytes]:
+                   deadline: float = math.inf, into=None) -> list:
         """The byte ranges of a fragment; ``check(parts)``, if given, is run on them
         where they were read (in the worker thread: a large read's checksums are
         computed beside the event loop, not on it) and may raise. ``deadline`` is
-        not used: local devices are not hedged (expected_latency is 0)."""
+        not used: local devices are not hedged (expected_latency is 0). ``into``: the
+        buffer the last range is read into (store.read_parts)."""
         store = self.stores.get(dev)
         if store is None or isinstance(store, Exception) or not self._inline(dev, ranges):
             self.stats["thread_reads"] += 1
             self._threaded += 1
             try:
-                if check is None:
-                    return await self._call(dev, "read_parts", name, ranges)
-                return await self._call(dev, _ReadChecked(store, check), name, ranges)
+                return await self._call(dev, _ReadChecked(store, check, into), name, ranges)
             finally:
                 self._threaded -= 1
         self.stats["inline_reads"] += 1
         t0 = time.monotonic()
         try:
-            out = store.read_parts(name, ranges)
+            out = store.read_parts(name, ranges, into)
         except OSError as e:
             raise DeviceError(dev, f"read_parts failed: {e}") from e
         finally:
@@ -137,7 +136,7 @@ class LocalTransport:
         return out
 
     async def read_many(self, reads, deadline: float = math.inf,
-                        batch: bool = False) -> list:
+                        batch: bool = False, into=None) -> list:
         """Several reads side by side. A batch (a direct client's read_many: at least
         BATCH_THREADED reads) is cut into one job per worker thread, each job reading
         its share one after another: as many reads in flight as threads, without a
@@ -145,7 +144,7 @@ class LocalTransport:
         small read does). Read inline instead, each read missing the page cache would
         wait for the disk alone."""
         if len(reads) < BATCH_THREADED:
-            return await read_side_by_side(self, reads, deadline)
+            return await read_side_by_side(self, reads, deadline, into)
         out: list = [None] * len(reads)
         jobs = min(self._threads, len(reads))
 
@@ -156,7 +155,7 @@ class LocalTransport:
                 try:
                     if store is None or isinstance(store, Exception):
                         raise DeviceError(dev, str(store) if store else "unknown device")
-                    parts = store.read_parts(name, ranges)
+                    parts = store.read_parts(name, ranges, into[i] if into else None)
                     if check is not None:
                         check(parts)
                     out[i] = parts
@@ -217,14 +216,16 @@ class LocalTransport:
 
 
 class _ReadChecked:
-    """``store.read_parts`` followed by ``check`` on what it read, in one thread job."""
+    """``store.read_parts`` followed by ``check`` (if any) on what it read, in one
+    thread job."""
     __name__ = "read_parts"
-    __slots__ = ("store", "check")
+    __slots__ = ("store", "check", "into")
 
-    def __init__(self, store, check):
-        self.store, self.check = store, check
+    def __init__(self, store, check, into=None):
+        self.store, self.check, self.into = store, check, into
 
     def __call__(self, name, ranges):
-        parts = self.store.read_parts(name, ranges)
-        self.check(parts)
+        parts = self.store.read_parts(name, ranges, self.into)
+        if self.check is not None:
+            self.check(parts)
         return parts

@@ -200,17 +200,24 @@ class TcpTransport:
                 self._broken(node, dev, conn, pooled, e, own, deadline)
 
     async def _finish(self, node: _Node, dev: int, req, parts, conn, pooled: bool,
-                      own: float, deadline: float, spin: float):
+                      own: float, deadline: float, spin: float, into=None):
         """The reply to ``req``, sent on ``conn`` by _start: (reply, payload). The
         connection goes back to the pool; on a failure it is closed (its stream is
-        out of step) and the error raised as request() says."""
+        out of step) and the error raised as request() says. ``into``: a READ's
+        buffer for its last range (read_many), received into where the reply's last
+        part is exactly that long (the payload is then (rest, into))."""
+        def tail(resp, plen):
+            ok = resp.id == req.id and not resp.errno and resp.lengths and \
+                resp.lengths[-1] == len(into) <= plen
+            return into if ok else None
         while True:
             # (set each time: a reply there at once leaves spin unused)
             conn.spin = spin
             try:
                 # the payload is a buffer of its own (large ones are received into it
                 # directly): slices of it are handed out without copies
-                resp, payload = await conn.recv(pb.Response, own_payload=True)
+                resp, payload = await conn.recv(pb.Response, own_payload=True,
+                                                tail=None if into is None else tail)
                 break
             except BaseException as e:
                 self._broken(node, dev, conn, pooled, e, own, deadline)
@@ -264,11 +271,12 @@ class TcpTransport:
         await self.request(dev, pb.Request(op=Req.PUT, name=name, durable=True), parts)
 
     async def read(self, dev: int, name: str, ranges, check=None,
-                   deadline: float = math.inf) -> list[bytes]:
+                   deadline: float = math.inf, into=None) -> list[bytes]:
         """The parts of fragment ``name`` that ``ranges`` ((offset, length) pairs) ask
         for, with ``check(parts)`` run on them; raises DeviceError, TooSlow or what
         ``check`` raises."""
-        (out,) = await self.read_many([(dev, name, ranges, check)], deadline)
+        (out,) = await self.read_many([(dev, name, ranges, check)], deadline,
+                                      into=None if into is None else [into])
         if isinstance(out, Exception):
             raise out
         return out
@@ -284,7 +292,7 @@ class TcpTransport:
         node.late = 0
 
     async def read_many(self, reads, deadline: float = math.inf,
-                        batch: bool = False) -> list:
+                        batch: bool = False, into=None) -> list:
         """Several reads as read() does them, ``reads`` a list of (dev, name, ranges,
         check), from this one task: every request is sent before any reply is
         awaited, then the replies are taken in turn (all are wanted, so waiting for
@@ -340,7 +348,8 @@ class TcpTransport:
                     spin = self.spin if quiet and _small(ranges) else 0.0
                 try:
                     resp, payload = await self._finish(node, dev, req, (), conn, pooled,
-                                                       own, deadline, spin)
+                                                       own, deadline, spin,
+                                                       into[i] if into else None)
                 except (DeviceError, TooSlow) as e:
                     out[i] = e
                     continue
@@ -515,12 +524,18 @@ class TcpTransport:
         small one's round trip, since ``t0`` (time.monotonic) if given, goes into the
         node's smoothed latency (the transfer time of a large one would not say how
         slow the node is)."""
+        into = None
+        if isinstance(payload, tuple):  # (the last part received into the caller's buffer)
+            payload, into = payload
         if t0 is not None:
-            self._took(self.device_node[dev], len(payload), time.monotonic() - t0)
+            self._took(self.device_node[dev], len(payload) + len(into or b""),
+                       time.monotonic() - t0)
         out, pos = [], 0
-        for n in resp.lengths:
+        for n in resp.lengths[:-1] if into is not None else resp.lengths:
             out.append(payload[pos:pos + n])
             pos += n
+        if into is not None:
+            out.append(into)
         return out
 
     @staticmethod

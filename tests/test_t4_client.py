@@ -102,6 +102,58 @@ def test_aligned_reads_into_callers_buffers(tmp_path, layout):
             c.read_many([("/f", 0, MiB)], out=[bytearray(10)])
 
 
+def test_sequential_reader_reads_ahead(volume):
+    """readinto in a loop (fetched ahead in the background) gives every byte right,
+    whatever the reader does between reads: seeks back and forward, changes its
+    length, closes with fetches under way, reads on in a forked child."""
+    MiB = 1 << 20
+    data = os.urandom(21 * MiB + 777)
+    _fill(volume, {"/f": data})
+    with bmfs.connect(volume) as c:
+        with c.open("/f", buffering=0) as f:
+            buf, got = bytearray(2 * MiB), bytearray()
+            while n := f.readinto(buf):
+                got += buf[:n]
+            assert got == data
+        with c.open("/f", buffering=0) as f:
+            buf = bytearray(MiB)
+            for i in range(4):
+                assert f.readinto(buf) == MiB and buf == data[i * MiB:(i + 1) * MiB]
+            f.seek(MiB)  # back, over ranges fetched already
+            assert f.readinto(buf) == MiB and buf == data[MiB:2 * MiB]
+            f.seek(15 * MiB + 3)  # forward, unaligned
+            for _ in range(3):
+                pos = f.tell()
+                assert f.readinto(buf) == MiB and buf == data[pos:pos + MiB]
+            small = bytearray(300 << 10)  # another length
+            pos = f.tell()
+            assert f.readinto(small) == len(small) and small == data[pos:pos + len(small)]
+            f.seek(20 * MiB)
+            assert f.readinto(buf) == MiB and buf == data[20 * MiB:21 * MiB]
+            assert f.readinto(buf) == 777 and buf[:777] == data[-777:]
+            assert f.readinto(buf) == 0
+        with c.open("/f", buffering=0) as f:  # closed with fetches under way
+            f.readinto(bytearray(4 * MiB))
+            f.readinto(bytearray(4 * MiB))
+        with c.open("/f") as f:  # buffered: io.BufferedReader reads through readinto
+            assert f.read() == data
+        f = c.open("/f", buffering=0)
+        buf = bytearray(MiB)
+        f.readinto(buf), f.readinto(buf)  # (two read: the next ones are being fetched)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the parent's fetches are not the child's
+            ok = all(f.readinto(buf) == MiB and buf == data[i * MiB:(i + 1) * MiB]
+                     for i in range(2, 8))
+            os.write(w, b"1" if ok else b"0")
+            os._exit(0)
+        os.close(w)
+        assert os.read(r, 1) == b"1"
+        os.waitpid(pid, 0)
+        assert f.readinto(buf) == MiB and buf == data[2 * MiB:3 * MiB]
+        f.close()
+
+
 def test_degraded_batch_decodes(volume):
     """Two devices gone (m=2): a batch still reads every byte right, decoded."""
     data = os.urandom(4 << 20)

@@ -5,9 +5,10 @@ run, its figures as one line of JSON on stdout.
   bench_client.py rand VOLUME PATH --size N --reads R --batch 64 [--procs 4] [--seconds S]
       random 4 KiB reads (the bench's offsets: seed 42, 4 KiB aligned), read_many in
       batches; with --procs, forked workers (DataLoader-style) share the reads
-  bench_client.py seq VOLUME PATH --size N [--depth 8] [--threads 2]
-      the file read in 1 MiB ranges, --depth ranges per batch, into reused buffers,
-      --threads batches in flight
+  bench_client.py seq VOLUME PATH --size N [--depth 8] [--threads 2] [--batches]
+      the file read with File.readinto into one reused buffer of --depth MiB (the
+      client reads ahead); with --batches, in 1 MiB ranges instead, --depth ranges
+      per read_many batch, into reused buffers, --threads batches in flight
   bench_client.py records VOLUME PATH --count 10000 [--batch 64]
       random records of a record file through Client.records (batches of ranges)
   bench_client.py mount-records MOUNTED_PATH --count 10000
@@ -83,14 +84,30 @@ def _rand_worker(c, path, offsets, batch, deadline) -> int:
 
 
 def seq(a) -> dict:
-    """Batches of --depth 1 MiB ranges, --threads of them in flight (each thread its
-    own buffers, taking every --threads-th batch: a loader reading ahead)."""
-    import threading
+    """readinto a buffer of --depth MiB until the end; or (--batches) batches of
+    --depth 1 MiB ranges, --threads of them in flight (each thread its own buffers,
+    taking every --threads-th batch: a loader reading ahead)."""
     import bmfs
     c = bmfs.connect(a.volume)
     step = a.depth * MiB
     totals = [0] * a.threads
     t0 = time.perf_counter()
+    if not a.batches:
+        buf = bytearray(step)
+        with c.open(a.path, buffering=0) as f:
+            while n := f.readinto(buf):
+                totals[0] += n
+    else:
+        _seq_batches(c, a, step, totals)
+    seconds = time.perf_counter() - t0
+    total = sum(totals)
+    if total != a.size:
+        raise SystemExit(f"read {total} bytes, expected {a.size}")
+    return {"bytes": total, "seconds": seconds, "mbps": total / seconds / 1e6}
+
+
+def _seq_batches(c, a, step, totals) -> None:
+    import threading
     with c.open(a.path, buffering=0) as f:
         def reader(k):
             bufs = [bytearray(MiB) for _ in range(a.depth)]
@@ -103,11 +120,6 @@ def seq(a) -> dict:
             t.start()
         for t in threads:
             t.join()
-    seconds = time.perf_counter() - t0
-    total = sum(totals)
-    if total != a.size:
-        raise SystemExit(f"read {total} bytes, expected {a.size}")
-    return {"bytes": total, "seconds": seconds, "mbps": total / seconds / 1e6}
 
 
 def _picks(n: int, count: int) -> list[int]:
@@ -150,6 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batches", action="store_true")
     ap.add_argument("--count", type=int, default=10000)
     a = ap.parse_args(argv)
     fn = {"rand": rand, "seq": seq, "records": records, "mount-records": mount_records}

@@ -16,6 +16,7 @@ import weakref
 
 import trio
 
+from .ahead import ReadAhead
 from .batch import read_many as _read_many
 from .portal import Portal
 from .session import Session, os_error, run_session
@@ -313,6 +314,7 @@ class File(io.RawIOBase):
         self._pos = 0
         self._fh = None
         self._gen = 0
+        self._ahead = ReadAhead()
         self._open()
         if kind == "a":
             self._pos = self._size()
@@ -408,8 +410,13 @@ class File(io.RawIOBase):
         return self.client._call(fn, path=self.path)
 
     def readinto(self, buf) -> int:
-        """Read into ``buf`` (block-aligned ranges straight from the devices)."""
-        n = self.preadinto(buf, self._pos)
+        """Read into ``buf`` (block-aligned ranges straight from the devices). A file
+        opened for reading only reads ahead for a sequential reader (ahead.py)."""
+        if self._write:
+            n = self.preadinto(buf, self._pos)
+        else:
+            view = memoryview(buf).cast("B")
+            n = self._ahead.readinto(self.client, self._handle(), view, self._pos)
         self._pos += n
         return n
 
@@ -477,6 +484,8 @@ class File(io.RawIOBase):
         try:
             if fh is not None and self._gen == self.client._gen and \
                     self.client._session is not None and not self.client._closed:
+                self._ahead.close(self.client)
+
                 async def fn(s):
                     await s.fs.files.release(fh)  # stores what was written, commits
                 self.client._call(fn, path=self.path)

@@ -25,13 +25,22 @@
  *
  * rs_rebuild(k, m, payload, survivors, missing) -> list of bytes
  *     Degraded reads: the payloads of missing data fragments from any k others (below).
+ *
+ * pread_batch(jobs, threads) -> list
+ *     A direct client's batch of fragment reads on local devices (below), done by up
+ *     to `threads` threads at once with the GIL released: each job opens a file,
+ *     reads its ranges and closes it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <isa-l/crc.h>
 #include <isa-l/erasure_code.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #define LIB_HEADER 80
 #define MAX_FRAGS 32
@@ -379,6 +388,240 @@ done:
     return list;
 }
 
+/* pread_batch(jobs, threads) -> list
+ *
+ * jobs: a sequence of (path, ranges, into): `path` bytes, `ranges` a sequence of
+ * (offset, length), `into` None or a writable contiguous buffer of the last range's
+ * length that range is read into. Each job opens `path` (O_RDONLY | O_NOFOLLOW |
+ * O_CLOEXEC), preads its ranges (each up to the file's end: a part is shorter there)
+ * and closes it. The jobs are shared out among min(threads, len(jobs)) threads, the
+ * caller's one of them, all without the GIL; every buffer is made (and every `into`
+ * taken) before it is released. Returns, job by job, its list of parts (bytes; the
+ * last one `into` itself when given, or a view of its first bytes if the file ended
+ * sooner), or the OSError the job failed with (errno and path). A thread that cannot
+ * be started leaves its share to the others.
+ */
+typedef struct {
+    off_t off;
+    Py_ssize_t len, got;
+    char *dst;
+} prange;
+
+typedef struct {
+    const char *path;
+    Py_ssize_t first, count;  /* its ranges in the batch's table */
+    int err;
+} pjob;
+
+typedef struct {
+    pjob *jobs;
+    prange *ranges;
+    Py_ssize_t n, next;
+} pbatch;
+
+static void pread_job(pjob *j, prange *ranges)
+{
+    int fd = open(j->path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+        j->err = errno;
+        return;
+    }
+    for (Py_ssize_t r = j->first; r < j->first + j->count; r++) {
+        prange *p = &ranges[r];
+        while (p->got < p->len) {
+            ssize_t k = pread(fd, p->dst + p->got, (size_t)(p->len - p->got), p->off + p->got);
+            if (k < 0 && errno == EINTR)
+                continue;
+            if (k < 0) {
+                j->err = errno;
+                close(fd);
+                return;
+            }
+            if (k == 0)
+                break;  /* the file's end */
+            p->got += k;
+        }
+    }
+    close(fd);
+}
+
+static void *pread_worker(void *arg)
+{
+    pbatch *b = arg;
+    Py_ssize_t i;
+    while ((i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED)) < b->n)
+        pread_job(&b->jobs[i], b->ranges);
+    return NULL;
+}
+
+static PyObject *pread_batch(PyObject *self, PyObject *args)
+{
+    PyObject *jobs_arg, *seq = NULL, *out = NULL, **objs = NULL, **paths = NULL;
+    int threads;
+    Py_buffer *intos = NULL;
+    pjob *jobs = NULL;
+    prange *ranges = NULL;
+    Py_ssize_t n = 0, nr = 0, nobjs = 0;
+    if (!PyArg_ParseTuple(args, "Oi", &jobs_arg, &threads))
+        return NULL;
+    seq = PySequence_Fast(jobs_arg, "pread_batch: jobs must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {  /* (count the ranges) */
+        PyObject *job = PySequence_Fast_GET_ITEM(seq, i), *rs;
+        if (!PyTuple_Check(job) || PyTuple_GET_SIZE(job) != 3) {
+            PyErr_SetString(PyExc_TypeError, "pread_batch: a job is (path, ranges, into)");
+            goto done;
+        }
+        rs = PyTuple_GET_ITEM(job, 1);
+        Py_ssize_t k = PySequence_Size(rs);
+        if (k < 0)
+            goto done;
+        nr += k;
+    }
+    jobs = PyMem_Calloc(n ? n : 1, sizeof(pjob));
+    ranges = PyMem_Calloc(nr ? nr : 1, sizeof(prange));
+    objs = PyMem_Calloc(nr ? nr : 1, sizeof(PyObject *));  /* each range's part */
+    paths = PyMem_Calloc(n ? n : 1, sizeof(PyObject *));
+    intos = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    if (!jobs || !ranges || !objs || !paths || !intos) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    nobjs = nr;
+    Py_ssize_t r = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *job = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *path = PyTuple_GET_ITEM(job, 0), *into = PyTuple_GET_ITEM(job, 2);
+        PyObject *rs = PySequence_Fast(PyTuple_GET_ITEM(job, 1), "pread_batch: ranges");
+        if (rs == NULL)
+            goto done;
+        if (!PyBytes_Check(path)) {
+            Py_DECREF(rs);
+            PyErr_SetString(PyExc_TypeError, "pread_batch: a path is bytes");
+            goto done;
+        }
+        Py_INCREF(path);
+        paths[i] = path;
+        jobs[i].path = PyBytes_AS_STRING(path);
+        jobs[i].first = r;
+        jobs[i].count = PySequence_Fast_GET_SIZE(rs);
+        for (Py_ssize_t q = 0; q < jobs[i].count; q++, r++) {
+            long long off, len;
+            PyObject *range = PySequence_Fast_GET_ITEM(rs, q);
+            if (!PyTuple_Check(range)) {
+                Py_DECREF(rs);
+                PyErr_SetString(PyExc_TypeError, "pread_batch: a range is (offset, length)");
+                goto done;
+            }
+            if (!PyArg_ParseTuple(range, "LL", &off, &len) || off < 0 || len < 0) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_ValueError, "pread_batch: a negative range");
+                Py_DECREF(rs);
+                goto done;
+            }
+            ranges[r].off = (off_t)off;
+            ranges[r].len = (Py_ssize_t)len;
+            if (q == jobs[i].count - 1 && into != Py_None) {
+                if (PyObject_GetBuffer(into, &intos[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+                    Py_DECREF(rs);
+                    goto done;
+                }
+                if (intos[i].len != len) {
+                    Py_DECREF(rs);
+                    PyErr_SetString(PyExc_ValueError, "pread_batch: into is not its range's length");
+                    goto done;
+                }
+                ranges[r].dst = intos[i].buf;
+                Py_INCREF(into);
+                objs[r] = into;
+            } else {
+                objs[r] = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)len);
+                if (objs[r] == NULL) {
+                    Py_DECREF(rs);
+                    goto done;
+                }
+                ranges[r].dst = PyBytes_AS_STRING(objs[r]);
+            }
+        }
+        Py_DECREF(rs);
+    }
+    pbatch b = {jobs, ranges, n, 0};
+    int want = threads < 1 ? 1 : threads;
+    if (want > n)
+        want = (int)n;
+    pthread_t tids[64];
+    int started = 0;
+    if (want > 64)
+        want = 64;
+    Py_BEGIN_ALLOW_THREADS
+    for (int t = 1; t < want; t++)
+        if (pthread_create(&tids[started], NULL, pread_worker, &b) == 0)
+            started++;
+    pread_worker(&b);
+    for (int t = 0; t < started; t++)
+        pthread_join(tids[t], NULL);
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item;
+        if (jobs[i].err) {
+            errno = jobs[i].err;
+            item = PyObject_CallFunction(PyExc_OSError, "isO", jobs[i].err,
+                                         strerror(jobs[i].err), paths[i]);
+        } else {
+            item = PyList_New(jobs[i].count);
+            for (Py_ssize_t q = 0; item != NULL && q < jobs[i].count; q++) {
+                Py_ssize_t at = jobs[i].first + q;
+                PyObject *part = objs[at];
+                if (ranges[at].got < ranges[at].len) {
+                    if (PyBytes_Check(part)) {
+                        objs[at] = NULL;
+                        if (_PyBytes_Resize(&part, ranges[at].got) < 0) {
+                            Py_CLEAR(item);
+                            break;
+                        }
+                    } else {
+                        PyObject *mv = PyMemoryView_FromObject(part);
+                        part = mv ? PySequence_GetSlice(mv, 0, ranges[at].got) : NULL;
+                        Py_XDECREF(mv);
+                        if (part == NULL) {
+                            Py_CLEAR(item);
+                            break;
+                        }
+                    }
+                } else {
+                    Py_INCREF(part);
+                }
+                PyList_SET_ITEM(item, q, part);
+            }
+        }
+        if (item == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+done:
+    for (Py_ssize_t i = 0; intos && i < n; i++)
+        if (intos[i].obj != NULL)
+            PyBuffer_Release(&intos[i]);
+    for (Py_ssize_t i = 0; objs && i < nobjs; i++)
+        Py_XDECREF(objs[i]);
+    for (Py_ssize_t i = 0; paths && i < n; i++)
+        Py_XDECREF(paths[i]);
+    PyMem_Free(jobs);
+    PyMem_Free(ranges);
+    PyMem_Free(objs);
+    PyMem_Free(paths);
+    PyMem_Free(intos);
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"crc32c_blocks", crc32c_blocks, METH_VARARGS,
      "crc32c_blocks(parts, block) -> bytes: crc32c of each block of the parts' "
@@ -389,6 +632,10 @@ static PyMethodDef methods[] = {
     {"rs_rebuild", rs_rebuild, METH_VARARGS,
      "rs_rebuild(k, m, payload, survivors, missing) -> payloads of the missing data "
      "fragments, from k (index, whole fragment) survivors"},
+    {"pread_batch", pread_batch, METH_VARARGS,
+     "pread_batch(jobs, threads) -> list: each job (path, ranges, into) opened, its "
+     "ranges read and closed, by up to `threads` threads without the GIL; per job its "
+     "parts or the OSError it failed with"},
     {NULL, NULL, 0, NULL},
 };
 

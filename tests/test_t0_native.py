@@ -5,6 +5,7 @@ Both paths must write the same bytes: a volume written by one is read by the oth
 the helper, so its absence here is a failure, not a skip, unless BMFS_NATIVE=0 asks
 for the Python path.
 """
+import errno
 import os
 import random
 import struct
@@ -172,3 +173,52 @@ def test_rebuild_rejects_bad_arguments():
     for bad in (-1, k, 2**32 + 1, 2**32, 2**64):  # 2**32 + 1 was taken for 1
         with pytest.raises(ValueError):
             NATIVE.rs_rebuild(k, m, payload, good[1:] + [(5, frags[5])], [bad])
+
+
+@needs_native
+def test_pread_batch_reads_what_python_reads(tmp_path):
+    """pread_batch (a direct client's small reads of fragment files, in threads without
+    the GIL): every job's parts are what os.pread gives, shorter at a file's end, the
+    last one in the caller's buffer when given; a job that fails is its OSError (a
+    missing file, a link, a directory) and the others are still read."""
+    rng = random.Random(4)
+    files = []
+    for i in range(5):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(rng.randbytes(rng.randrange(1, 200_000)))
+        files.append(p)
+    os.symlink(files[0], tmp_path / "link")
+    jobs, want = [], []
+    for i in range(300):
+        p = rng.choice(files)
+        size = p.stat().st_size
+        ranges = [(rng.randrange(size + 10), rng.randrange(9000)) for _ in range(rng.randrange(1, 4))]
+        into = memoryview(bytearray(ranges[-1][1])) if rng.random() < 0.5 else None
+        jobs.append((os.fsencode(p), ranges, into))
+        data = p.read_bytes()
+        want.append([data[o:o + n] for o, n in ranges])
+    bad = [(os.fsencode(tmp_path / "missing"), [(0, 10)], None, errno.ENOENT),
+           (os.fsencode(tmp_path / "link"), [(0, 10)], None, errno.ELOOP),
+           (os.fsencode(tmp_path), [(0, 10)], None, errno.EISDIR)]
+    for path, ranges, into, _ in bad:
+        jobs.insert(rng.randrange(len(jobs)), (path, ranges, into))
+    got = NATIVE.pread_batch(jobs, 16)
+    assert len(got) == len(jobs)
+    errors = {}
+    k = 0
+    for job, parts in zip(jobs, got):
+        if isinstance(parts, OSError):
+            errors[job[0]] = parts
+            continue
+        assert [bytes(x) for x in parts] == want[k]
+        if job[2] is not None:  # the last part is the caller's buffer (or its start)
+            assert parts[-1].obj is job[2].obj
+        k += 1
+    assert k == len(want)
+    for path, _, _, code in bad:
+        assert errors[path].errno == code and errors[path].filename == path
+    assert NATIVE.pread_batch([], 4) == []
+    for job in ((b"x", [(0, 1)]), ("str", [(0, 1)], None), (b"x", [(-1, 1)], None),
+                (b"x", [(0, 5)], bytearray(4)), (b"x", [(0, 5)], b"12345"), (b"x", [0], None)):
+        with pytest.raises((TypeError, ValueError, BufferError)):
+            NATIVE.pread_batch([job], 2)

@@ -40,7 +40,15 @@ def test_write_then_read_through_client_and_mount(volume, tmp_path):
     assert_fsck_clean(volume)
 
 
-def test_read_many_and_readinto(volume):
+@pytest.mark.parametrize("native", [True, False])
+def test_read_many_and_readinto(volume, monkeypatch, native):
+    """Batches (read in C by pread_batch, or by the worker threads where the helper
+    is missing) give every byte right: unaligned, across stripes, past the end."""
+    from bmfs.transport import local
+    if not native:
+        monkeypatch.setattr(local, "NATIVE", None)
+    elif local.NATIVE is None:
+        pytest.skip("the C helper is not built (BMFS_NATIVE=0)")
     data = os.urandom(6 << 20)
     _fill(volume, {"/f": data, "/g": b"x" * 100})
     rng = __import__("random").Random(5)
@@ -168,10 +176,14 @@ def test_degraded_batch_decodes(volume):
             assert bytes(b) == data[off:off + n]
 
 
-def test_corrupt_blocks_in_a_batch_are_decoded_around(volume):
+@pytest.mark.parametrize("native", [True, False])
+def test_corrupt_blocks_in_a_batch_are_decoded_around(volume, monkeypatch, native):
     """Two data fragments (m=2) get a flipped byte in their payload: the batch's reads
     of those blocks fail their checksums and are decoded from the other fragments."""
+    from bmfs.transport import local
     from fragments import flip, on_volume, payload_area
+    if not native:
+        monkeypatch.setattr(local, "NATIVE", None)
     data = os.urandom(4 << 20)
     _fill(volume, {"/f": data})
     frags = [f for f in on_volume(volume) if f.idx in (0, 2)]

@@ -243,6 +243,11 @@ class FileStore:
         for small READs builds the same)."""
         return self._frags
 
+    def path_of(self, name: str) -> str:
+        """The file fragment ``name`` is read from (transport/local.py's batches read
+        it in C: open without following a link, read, close, as read_parts does)."""
+        return self._file(name)
+
     def _file(self, name: str) -> str:
         sid_hex = name.split(".", 1)[0]  # (an f-string: os.path.join is slower per read)
         return f"{self._frags}{sid_hex[-2:]}/{name}"

@@ -31,6 +31,20 @@ def _offsets(size: int, n: int) -> list[int]:
     return [rng.randrange(size // 4096) * 4096 for _ in range(n)]
 
 
+def _cpu_ticks() -> list[int]:
+    """The machine's CPU time so far by kind (/proc/stat: user, nice, system, idle,
+    iowait, ...), in clock ticks."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
+def _busy(c0: list[int], c1: list[int]) -> float | None:
+    """The share of the machine's CPU time between two _cpu_ticks() that was busy
+    (neither idle nor waiting for the disk), every process's."""
+    total = sum(c1) - sum(c0)
+    return round(1 - (c1[3] + c1[4] - c0[3] - c0[4]) / total, 2) if total else None
+
+
 def rand(a) -> dict:
     """Each process connects (a forked one opens its own connections on its first
     call) before the clock starts: a DataLoader worker connects once."""
@@ -38,6 +52,7 @@ def rand(a) -> dict:
     c = bmfs.connect(a.volume)
     offsets = _offsets(a.size, a.reads)
     shares = [offsets[i::a.procs] for i in range(a.procs)]
+    c0 = _cpu_ticks()
     if a.procs == 1:
         t0 = time.perf_counter()
         done = _rand_worker(c, a.path, shares[0], a.batch, t0 + a.seconds)
@@ -58,6 +73,7 @@ def rand(a) -> dict:
             pids.append((pid, r))
         for _, r in pids:
             os.read(r, 1)
+        c0 = _cpu_ticks()
         t0 = time.perf_counter()
         os.write(go_w, b"g" * len(pids))
         done = 0
@@ -65,7 +81,8 @@ def rand(a) -> dict:
             done += int(os.read(r, 64) or b"0")
             os.waitpid(pid, 0)
     seconds = time.perf_counter() - t0
-    return {"reads": done, "seconds": seconds, "iops": done / seconds}
+    return {"reads": done, "seconds": seconds, "iops": done / seconds,
+            "machine_busy": _busy(c0, _cpu_ticks())}
 
 
 def _rand_worker(c, path, offsets, batch, deadline) -> int:

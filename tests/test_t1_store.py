@@ -44,6 +44,20 @@ def test_write_read_delete(spec):
     assert 0 < u["free"] <= u["total"]
 
 
+def test_read_parts_into_a_callers_buffer(spec):
+    """read_parts' last range read into the caller's buffer: the part is that buffer
+    (or its first bytes where the fragment ends sooner), the same bytes as without."""
+    s = make(spec)
+    b = os.urandom(300_000)
+    s.write("0000000000000002.5", [b])
+    for ranges in ([(0, 4096)], [(100, 10), (4096, 200_000)], [(299_000, 5000)]):
+        into = memoryview(bytearray(ranges[-1][1]))
+        parts = s.read_parts("0000000000000002.5", ranges, into)
+        assert [bytes(p) for p in parts] == [b[o:o + n] for o, n in ranges]
+        assert parts[-1].obj is into.obj
+        assert into[:len(parts[-1])] == b[ranges[-1][0]:ranges[-1][0] + ranges[-1][1]]
+
+
 def test_survives_reopen_and_rejects_foreign(spec):
     s = make(spec)
     data = os.urandom(123_457)

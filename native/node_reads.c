@@ -208,10 +208,10 @@ static int parse_request(const unsigned char *p, const unsigned char *end, read_
     return r->op == OP_READ && r->name[0] && r->device <= 0xFFFFFFFFu;
 }
 
-static int send_all(int fd, const unsigned char *p, size_t n)
+static int send_all(int fd, const unsigned char *p, size_t n, int flags)
 {
     while (n) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL | flags);
         if (k < 0) {
             if (errno == EINTR)
                 continue;
@@ -227,7 +227,7 @@ static int send_all(int fd, const unsigned char *p, size_t n)
  * Python path should answer (the file did not open, a read failed), -1 on a socket
  * error (errno set). */
 static int answer(int fd, const read_req *r, const char *path, uint64_t total,
-                  uint64_t *served)
+                  uint64_t *served, int more)
 {
     uint64_t got[MAX_RANGES];
     unsigned char *out = malloc(REPLY_HEAD_ROOM + total + 1);
@@ -279,7 +279,7 @@ static int answer(int fd, const read_req *r, const char *path, uint64_t total,
             h = put_varint(h, got[i]);
     }
     __atomic_add_fetch(served, 1, __ATOMIC_RELAXED);
-    int rc = send_all(fd, start, (size_t)(w - start));
+    int rc = send_all(fd, start, (size_t)(w - start), more ? MSG_MORE : 0);
     free(out);
     return rc < 0 ? -1 : 1;
 }
@@ -421,7 +421,18 @@ static PyObject *serve_reads(PyObject *self, PyObject *args)
                 break;
             snprintf(path, sizeof(path), "%s%c%c/%s", root->dir, r.name[14], r.name[15],
                      r.name);
-            int rc = answer(fd, &r, path, total, &st->served);
+            /* another whole READ frame received already: this reply may wait for
+             * its (MSG_MORE), the pipelined replies leave in fewer segments; the
+             * last one (or one the Python path answers next) sends them */
+            Py_ssize_t left = have - need;
+            uint32_t h2 = 0, p2 = 1;
+            if (left >= PREFIX) {
+                memcpy(&h2, b + start + need, 4);
+                memcpy(&p2, b + start + need + 4, 4);
+            }
+            int more = left >= PREFIX && p2 == 0 && h2 <= MAX_HEADER &&
+                       left >= PREFIX + (Py_ssize_t)h2;
+            int rc = answer(fd, &r, path, total, &st->served, more);
             if (rc < 0) {
                 err = errno;
                 break;

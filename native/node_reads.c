@@ -368,7 +368,7 @@ static node_state *get_state(PyObject *capsule)
 
 static PyObject *serve_reads(PyObject *self, PyObject *args)
 {
-    int fd, nroots = 0, status = PYTHON, err = 0;
+    int fd, nroots = 0, status = PYTHON, err = 0, behind = 0;
     Py_ssize_t start, end, read_ahead, max_read;
     PyObject *bufobj, *roots, *capsule;
     Py_buffer view;
@@ -440,7 +440,13 @@ static PyObject *serve_reads(PyObject *self, PyObject *args)
             if (rc == 0)
                 break;  /* PYTHON: it answers with the error */
             start += need;
-            if (r.nranges && note_read(st, r.device, r.name)) {
+            /* a READ pipelined with others (a direct client's batch: a frame behind
+             * it, or it was behind one) does not count toward its fragment's heat:
+             * that reader keeps its own reads in flight, which a whole-fragment read
+             * would compete with for the device */
+            int pipelined = more || behind;
+            behind = more;
+            if (r.nranges && !pipelined && note_read(st, r.device, r.name)) {
                 status = HOT;
                 break;
             }

@@ -170,6 +170,46 @@ def test_fragment_read_often_in_small_pieces_is_read_whole(tmp_path):
     run_with_nodes(tmp_path, body)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_pipelined_small_reads_leave_a_fragment_cold(tmp_path, native):
+    """A batch's READs pipelined on a connection (a direct client's read_many) do not
+    make their fragment hot, on the node's C path or its Python path: a batch of 12
+    small reads of one fragment leaves it unread whole; three lone reads after it
+    still read it whole."""
+    from bmfs.transport import tcp
+    if tcp.CLIENT is None:
+        pytest.skip("the C client is not built: batches are not pipelined")
+    data = os.urandom(4 << 20)
+
+    async def body(nodes, client):
+        if not native:
+            for server in nodes.servers.values():
+                server.native_reads = ()  # every frame to the Python path
+        st = await client.write_stripe(10, data)
+        dev = st.devices[0]
+        node = nodes.servers[dev]
+        reads = [(dev, fr.fragment_name(10, 0), [(off, 4096)], None)
+                 for off in range(8192, 8192 + 12 * 4096, 4096)]
+
+        async def batch():  # (a loop of its own, as a direct client's: a batch holds it)
+            transport = TcpTransport({d: f"127.0.0.1:{p}" for d, p in nodes.ports.items()},
+                                     SECRET)
+            try:
+                return await transport.read_many(reads, batch=True)
+            finally:
+                await transport.aclose()
+        got = await trio.to_thread.run_sync(trio.run, batch)
+        assert all(isinstance(g, list) and len(g[0]) == 4096 for g in got)
+        await trio.sleep(0.3)
+        assert node.stats["fragments_read_whole"] == 0
+        for off in (0, 40960, 81920):
+            assert bytes(await client.read(10, st, off, 4096)) == data[off:off + 4096]
+        with trio.fail_after(5):
+            while node.stats["fragments_read_whole"] == 0:
+                await trio.sleep(0.01)
+    run_with_nodes(tmp_path, body)
+
+
 def test_degraded_streaming_reads_fetch_k_fragments_once(tmp_path):
     data = os.urandom(4 << 20)
 

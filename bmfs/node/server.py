@@ -309,6 +309,7 @@ class NodeServer:
 
     def _serve_frames(self, conn: BlockingConnection) -> None:
         roots = self.native_reads
+        behind = False  # the last request had another received behind it
         try:
             while True:
                 if roots:
@@ -322,7 +323,9 @@ class NodeServer:
                         break
                 req, payload = conn.recv(pb.Request)
                 self._python_requests += 1
-                self._serve_one(conn, req, payload)
+                more = conn._end > conn._start
+                self._serve_one(conn, req, payload, pipelined=more or behind)
+                behind = more
         except EOFError:
             pass
         except (TimeoutError, BlockingIOError):  # silent for idle_timeout
@@ -339,7 +342,7 @@ class NodeServer:
         finally:
             conn.close()
 
-    def _serve_one(self, conn, req, payload):
+    def _serve_one(self, conn, req, payload, pipelined: bool = False):
         t0 = time.perf_counter()
         try:
             resp, parts = self._dispatch(req, payload)
@@ -360,7 +363,8 @@ class NodeServer:
                     parts[0].release()
                 else:
                     os.close(parts[0].fd)
-        if req.op == Req.READ and not resp.errno and parts and not isinstance(parts[0], FileRange):
+        if req.op == Req.READ and not resp.errno and parts and \
+                not isinstance(parts[0], FileRange) and not pipelined:
             self._note_small_read((req.device, req.name))
 
     def _note_small_read(self, key: tuple[int, str]) -> None:
@@ -369,7 +373,11 @@ class NodeServer:
         HOT_WINDOW seconds asks the kernel for all of it (~1 MiB, one sequential device
         read), at most HOT_RATE bytes a second. Reads spread thinly over much data (a
         fragment seldom read twice) cost no more than their blocks; a fragment read
-        often costs one read of it."""
+        often costs one read of it. READs pipelined with others on their connection
+        (a direct client's batch: another request received behind one, or it behind
+        another) are not counted: that reader keeps its own reads in flight, and the
+        whole-fragment reads would compete with them for the device (a batch of
+        random 4 KiB reads over a 1 GiB file had the nodes read all of it)."""
         if self._native:  # one table with the C path's (READS.note: the same rule)
             if READS.note(self._native, *key):
                 self._read_whole(key)

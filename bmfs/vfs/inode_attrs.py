@@ -57,7 +57,8 @@ class InodeAttrs:
         rule says so, in a transaction of its own (under relatime, once per change of
         the file or per day: most reads cost nothing). ``tell_kernel``: drop the
         kernel's cached attributes after (it does so itself after a READ or READDIR
-        request, not after an open). A failure is logged, never the read's."""
+        request, not after an open; only from within the kernel's open of the file:
+        Notify.attributes). A failure is logged, never the read's."""
         now = now_ns()
         if not self._atime_due(view, i, now):
             return
@@ -79,7 +80,7 @@ class InodeAttrs:
             return
         if atime is not None:
             i.atime_ns = atime
-        if atime is not None and tell_kernel and hasattr(self.notify, "attributes"):
+        if atime is not None and tell_kernel and self.notify is not None:
             await self.notify.attributes(self.join(view, ino))
 
     # -- attributes -------------------------------------------------------------------------

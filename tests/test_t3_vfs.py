@@ -33,7 +33,7 @@ ETCD_TESTS = {
     "test_merge_and_diff", "test_clean_three_way_merge_and_reset",
     "test_deleting_a_snapshot_gives_back_what_only_it_held",
     "test_prune_keeps_an_open_unlinked_file", "test_listings_have_dot_and_dotdot",
-    "test_fsck_finds_data_past_a_files_size",
+    "test_fsck_finds_data_past_a_files_size", "test_times_written_back_to_a_freed_file",
 }
 SQLITE_ONLY = {"test_files_a_crashed_mount_held_unlinked_are_freed_together"}
 
@@ -398,6 +398,31 @@ def test_clean_three_way_merge_and_reset(tmp_path):
         await fs.views.refresh()
         assert await read_file(fs, (await fs.lookup(ROOT, b"a")).ino) == b"base a"
         assert await fs.readdir((await fs.lookup(ROOT, b"dir")).ino) == []
+    run(t, tmp_path)
+
+
+def test_times_written_back_to_a_freed_file(tmp_path):
+    """The kernel writes back the times it keeps of a file right after unlinking it:
+    for a file this mount freed, the answer is its last attributes (no link left)
+    and nothing is stored; the same inode brought back by a reset of the branch to
+    a snapshot that has it takes the times as any file does."""
+    async def t(fs):
+        ino = await write_file(fs, ROOT, b"f", b"data")
+        before = await fs.getattr(ino)
+        await br.op_snapshot_create(fs.kv, "had-f")
+        await fs.views.refresh()
+        await fs.unlink(ROOT, b"f")
+        a = await fs.setattr(ino, mtime_ns=5 * 10**9, ctime_ns=6 * 10**9)
+        assert a.nlink == 0 and a.mtime_ns == before.mtime_ns
+        with raises(errno.ENOENT):
+            await fs.getattr(ino)
+        await br.op_branch_reset(fs.kv, "main", "had-f")
+        await fs.views.refresh()
+        assert (await fs.lookup(ROOT, b"f")).ino == ino
+        a = await fs.setattr(ino, mtime_ns=5 * 10**9, ctime_ns=6 * 10**9)
+        assert a.nlink == 1 and a.mtime_ns == 5 * 10**9
+        assert (await fs.getattr(ino)).mtime_ns == 5 * 10**9
+        assert await read_file(fs, ino) == b"data"
     run(t, tmp_path)
 
 

@@ -621,6 +621,53 @@ def test_atime_relatime_by_default_noatime_and_strictatime(volume, tmp_path):
     assert_fsck_clean(volume)
 
 
+def test_first_reads_while_the_kernel_evicts_inodes(volume, tmp_path):
+    """Files read for the first time (relatime moves their atime at open, and the
+    open drops the kernel's cached attributes of the file) by 4 threads at once,
+    while the kernel keeps evicting unused inodes (drop_caches, which makes it write
+    their times back to the daemon): every read gets its file's bytes, none hangs,
+    and stat then shows each file's moved atime."""
+    import threading
+    with Mounted(volume, tmp_path / "m") as mnt:
+        d = os.path.join(mnt.mp, "d")
+        os.mkdir(d)
+        n = 400
+        for i in range(n):
+            with open(f"{d}/f{i}", "wb") as fh:
+                fh.write(b"%d" % i * 100)
+        written = {i: os.stat(f"{d}/f{i}").st_mtime_ns for i in range(n)}
+        errors, done = [], threading.Event()
+
+        def reader(part):
+            try:
+                for i in range(part, n, 4):
+                    with open(f"{d}/f{i}", "rb") as fh:
+                        if fh.read() != b"%d" % i * 100:
+                            errors.append(f"f{i}: wrong bytes")
+            except OSError as e:
+                errors.append(f"{e}")
+
+        def evictor():
+            while not done.is_set():
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("2")  # dentries and unused inodes
+                time.sleep(0.005)
+
+        ev = threading.Thread(target=evictor, daemon=True)
+        ev.start()
+        readers = [threading.Thread(target=reader, args=(p,), daemon=True) for p in range(4)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(timeout=300)
+        done.set()
+        ev.join(timeout=60)
+        assert not any(t.is_alive() for t in readers), "a read hangs"
+        assert errors == []
+        assert [i for i in range(n) if os.stat(f"{d}/f{i}").st_atime_ns <= written[i]] == []
+    assert_fsck_clean(volume)
+
+
 def _mount_options(mp) -> set[str]:
     with open("/proc/self/mountinfo") as f:
         for line in f:

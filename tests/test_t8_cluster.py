@@ -313,6 +313,57 @@ def test_a_device_added_through_one_mount_is_used_by_another(tmp_path):
         assert_fsck_clean(c.dir)
 
 
+def _etcd_watchers(cluster) -> int:
+    """Watchers open on the cluster's etcd members (etcd's own gauge, over TLS with
+    the cluster's client certificate)."""
+    import ssl
+    import urllib.request
+    pki = os.path.join(cluster.dir, "etcd", "pki")
+    ctx = ssl.create_default_context(cafile=os.path.join(pki, "ca.crt"))
+    ctx.load_cert_chain(os.path.join(pki, "client.crt"), os.path.join(pki, "client.key"))
+    total = 0
+    for member in cluster.info["etcd"]:
+        with urllib.request.urlopen(f"https://{member['client']}/metrics", context=ctx,
+                                    timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("etcd_debugging_mvcc_watcher_total "):
+                    total += int(float(line.split()[1]))
+    return total
+
+
+def _settle_watchers(cluster, want, seconds=15.0) -> int:
+    """The watcher count once it is ``want`` (or after ``seconds``: a client that
+    went away leaves its stream open on the member for a moment)."""
+    deadline = time.monotonic() + seconds
+    while (n := _etcd_watchers(cluster)) != want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return n
+
+
+def test_storage_nodes_keep_no_watch_on_etcd(tmp_path):
+    """The storage nodes of an etcd cluster keep their membership records there but
+    watch nothing: every metadata change (a small file's content included) goes to
+    the mounts' watches only, not to each node as well. A mount's own watches come
+    and go with it."""
+    if not os.access(ETCD, os.X_OK):
+        pytest.skip(f"etcd not installed ({ETCD})")
+    with Cluster(tmp_path / "cluster", "--meta", "etcd") as c:
+        deadline = time.monotonic() + 30
+        while len(json.loads(bmfs("status", c.dir, "--json").stdout)["nodes"]) < 6:
+            assert time.monotonic() < deadline, "the nodes did not register in etcd"
+            time.sleep(0.5)
+        assert _settle_watchers(c, 0) == 0
+        mp = tmp_path / "mnt"
+        with Mounted(c.dir, mp):
+            assert _etcd_watchers(c) > 0  # (the mount's: the gauge counts them)
+            for i in range(20):
+                (mp / f"f{i}").write_bytes(os.urandom(4096))
+            assert [(mp / f"f{i}").stat().st_size for i in range(20)] == [4096] * 20
+        assert _settle_watchers(c, 0) == 0
+        assert len(json.loads(bmfs("status", c.dir, "--json").stdout)["nodes"]) == 6
+        assert_fsck_clean(c.dir)
+
+
 def test_remove_while_another_mount_writes(tmp_path):
     """A 7-node etcd cluster volume mounted twice. While a process writes files through
     the second mount, `bmfs node remove 2` runs through the first: it waits until both

@@ -175,9 +175,16 @@ class KernelNotifier:
             await self.entry(parent, name)
 
     async def attributes(self, fino: int) -> None:
-        """Drop the kernel's cached attributes of ``fino`` (not its pages)."""
+        """Drop the kernel's cached attributes of ``fino`` (not its pages), while a
+        request of the kernel's on ``fino`` is being answered (an open).
+
+        Called here on the event loop's thread, not in a worker thread as the other
+        invalidations (a thread hop costs more than the open it would serve): while
+        the kernel waits for the answer it holds the inode, so the inode cannot be on
+        its way out (eviction writes times back to this daemon: an invalidation
+        would wait for it), and an attributes-only invalidation touches no page."""
         if self.holds(fino):
-            await trio.to_thread.run_sync(self._call, pyfuse3.invalidate_inode, fino, True)
+            self._call(pyfuse3.invalidate_inode, fino, True)
 
     async def entry(self, parent: int, name: bytes) -> None:
         await trio.to_thread.run_sync(self._call, pyfuse3.invalidate_entry, parent, name)

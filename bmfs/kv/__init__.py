@@ -437,10 +437,14 @@ class Txn:
         self.writes[key] = None
 
 
-async def open_kv(url: str, shared: bool = False) -> KV:
+async def open_kv(url: str, shared: bool = False, cache: bool = True) -> KV:
     """Open the engine named by the URL's scheme (``memory:``, ``sqlite:PATH``, ``etcd://...``).
     ``shared``: for a direct client beside other processes; an engine with one owner
-    (sqlite) is then opened read-only beside other readers (SqliteKV.open_shared)."""
+    (sqlite) is then opened read-only beside other readers (SqliteKV.open_shared).
+    ``cache=False``: no read cache (``caps.read_cache``: etcd's is fed by a watch of
+    the whole keyspace, which costs etcd and this process a decoded copy of every
+    change), for a long-lived process that reads little, e.g. a storage node's
+    membership record."""
     scheme = url.split(":", 1)[0]
     if scheme not in ENGINES:
         raise ValueError(f"unknown metadata engine {scheme!r} in {url!r}; "
@@ -450,4 +454,6 @@ async def open_kv(url: str, shared: bool = False) -> KV:
     engine = getattr(importlib.import_module(mod), cls)
     if shared and hasattr(engine, "open_shared"):
         return await engine.open_shared(url)
+    if not cache and engine.caps.read_cache:
+        return await engine.create(url, cache=False)
     return await engine.create(url)

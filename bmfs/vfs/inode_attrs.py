@@ -57,7 +57,8 @@ class InodeAttrs:
         rule says so, in a transaction of its own (under relatime, once per change of
         the file or per day: most reads cost nothing). ``tell_kernel``: drop the
         kernel's cached attributes after (it does so itself after a READ or READDIR
-        request, not after an open). A failure is logged, never the read's."""
+        request, not after an open; only from within the kernel's open of the file:
+        Notify.attributes). A failure is logged, never the read's."""
         now = now_ns()
         if not self._atime_due(view, i, now):
             return
@@ -79,7 +80,7 @@ class InodeAttrs:
             return
         if atime is not None:
             i.atime_ns = atime
-        if atime is not None and tell_kernel and hasattr(self.notify, "attributes"):
+        if atime is not None and tell_kernel and self.notify is not None:
             await self.notify.attributes(self.join(view, ino))
 
     # -- attributes -------------------------------------------------------------------------
@@ -95,6 +96,10 @@ class InodeAttrs:
         if mode is None and uid is None and gid is None and atime_ns is None and \
                 self.files.set_mtime(view, ino, mtime_ns):
             return await self.getattr(fino)  # (the next store commits it)
+        if mode is None and uid is None and gid is None:
+            gone = await self._freed_here(view, ino)
+            if gone is not None:
+                return attr_of(fino, gone)
 
         before = None
 
@@ -135,6 +140,23 @@ class InodeAttrs:
         self.files.client_moved(view, ino, before, i)
         self.files.overlay(view, ino, i)
         return attr_of(fino, i)
+
+    async def _freed_here(self, view, ino: int) -> Inode | None:
+        """The last state of regular file ``ino`` if this mount freed it and it is
+        still absent, else None. The kernel writes back the times it keeps of every
+        file it saw unlinked, right after the unlink (and of others as it evicts
+        them): a file that is gone has no times to keep, and answering from memory
+        spares the unlink a transaction that could only fail (with the checkpoints in
+        it, at which the commits and the watch run first). Inode numbers are never
+        reused; a number this mount freed reads as absent unless a tree that had it
+        came back (a reset), and that tree's file is not the one the kernel's times
+        are of. (Directories are left to setattr: one removed while in use keeps the
+        times set on it, held.py.)"""
+        gone = self.gone.get((view.id, ino))
+        if gone is None or not gone.is_reg() or \
+                await ns.get_inode(self.kv.begin(), view.chain, ino) is not None:
+            return None
+        return gone
 
     # -- xattrs -----------------------------------------------------------------------------
     @staticmethod

@@ -19,6 +19,9 @@ class Notify(Protocol):
     async def inode(self, fino: int) -> None: ...
     async def entry(self, parent: int, name: bytes) -> None: ...
 
+    async def attributes(self, fino: int) -> None:
+        """Drop the cached attributes of ``fino``, from within the kernel's open of it."""
+
 
 class Namespace(Protocol):
     """What Files needs of the filesystem that owns it."""

@@ -37,7 +37,9 @@ def keeper(meta: str, name: str, volume_uuid: str, secret: bytes, tls=None):
     async def keep(stores: dict, address: str, advertise: str | None,
                    task_status=trio.TASK_STATUS_IGNORED) -> None:
         from ..kv import open_kv
-        kv = await open_kv(meta)
+        # (no read cache: its watch of the whole keyspace would cost etcd and this
+        # node a copy of every metadata change, for a record renewed every few seconds)
+        kv = await open_kv(meta, cache=False)
         try:
             if not kv.caps.leases:
                 task_status.started()

@@ -128,10 +128,10 @@ class SlowStore(FileStore):
     """A device whose reads stall (a failing disk): each read takes ``delay`` seconds."""
     delay = 0.0
 
-    def read_parts(self, name, ranges):
+    def read_parts(self, name, ranges, into=None):
         import time
         time.sleep(self.delay)
-        return super().read_parts(name, ranges)
+        return super().read_parts(name, ranges, into)
 
 
 def test_small_reads_inline_unless_device_slow_or_stalled(tmp_path):
@@ -278,9 +278,9 @@ class CountingStore(FileStore):
     """A device that counts its reads and the bytes they returned."""
     reads = nbytes = 0
 
-    def read_parts(self, name, ranges):
+    def read_parts(self, name, ranges, into=None):
         type(self).reads += 1
-        out = super().read_parts(name, ranges)
+        out = super().read_parts(name, ranges, into)
         type(self).nbytes += sum(map(len, out))
         return out
 

@@ -63,7 +63,7 @@ class LocalTransport:
         self._latency: dict[int, float] = {}  # dev -> smoothed inline read time
         self._threaded = 0                    # reads under way in worker threads
         self._waiting = None                  # poll() of the FUSE device, if watched
-        self.stats = {"inline_reads": 0, "thread_reads": 0}
+        self.stats = {"inline_reads": 0, "thread_reads": 0, "batch_reads": 0}
         self.inline_reads = get_settings().inline_reads  # False: every read in a thread
         self.side_by_side = 0  # (Transport: local reads never hold the event loop long)
 
@@ -127,7 +127,7 @@ class LocalTransport:
         self.stats["inline_reads"] += 1
         t0 = time.monotonic()
         try:
-            out = _read_parts(store, name, ranges, into)
+            out = store.read_parts(name, ranges, into)
         except OSError as e:
             raise DeviceError(dev, f"read_parts failed: {e}") from e
         finally:
@@ -165,7 +165,7 @@ class LocalTransport:
                 try:
                     if store is None or isinstance(store, Exception):
                         raise DeviceError(dev, str(store) if store else "unknown device")
-                    parts = _read_parts(store, name, ranges, into[i] if into else None)
+                    parts = store.read_parts(name, ranges, into[i] if into else None)
                     if check is not None:
                         check(parts)
                     out[i] = parts
@@ -196,7 +196,7 @@ class LocalTransport:
         if not jobs:
             return rest
         got = NATIVE.pread_batch(jobs, BATCH_NATIVE_THREADS)
-        self.stats["batch_reads"] = self.stats.get("batch_reads", 0) + len(jobs)
+        self.stats["batch_reads"] += len(jobs)
         for i, parts in zip(mine, got):
             dev, _, _, check = reads[i]
             if isinstance(parts, OSError):
@@ -255,12 +255,6 @@ class LocalTransport:
         pass
 
 
-def _read_parts(store, name, ranges, into):
-    """store.read_parts, with ``into`` only where there is one (a store may not take it)."""
-    return store.read_parts(name, ranges) if into is None else \
-        store.read_parts(name, ranges, into)
-
-
 class _ReadChecked:
     """``store.read_parts`` followed by ``check`` (if any) on what it read, in one
     thread job."""
@@ -271,7 +265,7 @@ class _ReadChecked:
         self.store, self.check, self.into = store, check, into
 
     def __call__(self, name, ranges):
-        parts = _read_parts(self.store, name, ranges, self.into)
+        parts = self.store.read_parts(name, ranges, self.into)
         if self.check is not None:
             self.check(parts)
         return parts

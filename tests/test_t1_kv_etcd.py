@@ -73,10 +73,28 @@ async def _incr(txn):
     return n
 
 
+@pytest.mark.parametrize("api", ["grpc", "gateway"])
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
-def test_conformance(etcd_cluster, check):
+def test_conformance(etcd_cluster, check, api):
     etcd_cluster.wipe()
-    run(etcd_cluster, check)
+    run(etcd_cluster, check, url=etcd_cluster.url + f"&api={api}")
+
+
+def test_requests_go_over_grpc_unless_the_url_says_gateway(etcd_cluster):
+    """The default sends reads and commits over gRPC (the gateway answers watches);
+    api=gateway sends everything through the gateway; a wrong api= is refused."""
+    etcd_cluster.wipe()
+
+    async def main(kv):
+        grpc_before = kv._grpc.calls if kv._grpc is not None else None
+        await _put(kv, b"a", b"1")
+        assert await kv.get(b"a") == b"1"
+        return grpc_before, kv._grpc.calls if kv._grpc is not None else None
+    before, after = run(etcd_cluster, main)
+    assert after >= before + 2
+    assert run(etcd_cluster, main, url=etcd_cluster.url + "&api=gateway") == (None, None)
+    with pytest.raises(ValueError, match="api='http'"):
+        run(etcd_cluster, main, url=etcd_cluster.url + "&api=http")
 
 
 def test_request_ids_hidden_and_leased(etcd_cluster):
@@ -106,15 +124,15 @@ def test_lost_answer_retry_is_idempotent(etcd_cluster):
 
     async def main(kv):
         await kv.transact(_incr)
-        real_post, lost = kv._client.post, []
+        real_post, lost = kv._post, []
 
-        async def post(url, **kw):
-            resp = await real_post(url, **kw)
-            if url.endswith("/v3/kv/txn") and not lost:
-                lost.append(url)
-                raise httpx.ReadError("connection dropped (simulated)")
-            return resp
-        kv._client.post = post
+        async def post(ep, path, body, token, timeout):
+            answer = await real_post(ep, path, body, token, timeout)
+            if path == "/v3/kv/txn" and not lost:  # applied, but the answer is lost
+                lost.append(path)
+                return 503, {"code": 14, "message": "connection dropped (simulated)"}
+            return answer
+        kv._post = post
         assert await kv.transact(_incr) == 2
         assert lost and kv.failovers == 1
         assert await kv.get(b"ctr") == b"2"

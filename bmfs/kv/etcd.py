@@ -324,7 +324,7 @@ class EtcdKV(Gateway, KV):
         if self._cache_scope is not None:
             self._cache_scope.cancel()
         self.cache.stopped()
-        await self._client.aclose()
+        await self._close_transport()
 
     # -- the read cache (bmfs/kv/etcd_cache.py) ------------------------------------------
     def start_cache(self) -> None:

@@ -11,6 +11,9 @@ The URL is ``etcd://HOST:PORT,HOST:PORT,...`` followed by options, e.g.::
   speaks https (and checks each member's name, the HOST of its endpoint).
 - ``cert`` and ``key``: this client's certificate (mutual TLS, etcd's
   ``--client-cert-auth``).
+- ``api``: ``grpc`` (the default) sends reads, transactions, leases and authentication
+  over etcd's gRPC API (etcd_grpc.py), the rest through its JSON gateway; ``gateway``
+  sends everything through the gateway.
 - ``user`` and ``password-file``: an etcd user, and a file holding its password (its
   first line). The engine trades them for a token (``/v3/auth/authenticate``) sent in
   the ``Authorization`` header of every request, and trades them again when etcd says
@@ -32,7 +35,8 @@ from dataclasses import dataclass
 
 from ..errors import Access
 
-OPTIONS = ("cacert", "cert", "key", "user", "password-file")
+OPTIONS = ("cacert", "cert", "key", "user", "password-file", "api")
+APIS = ("grpc", "gateway")  # api=: how requests go (etcd_grpc.py); grpc by default
 # what ssl reports when the other side refused our certificate, or we refused its:
 # a setting to fix, not an endpoint to fail over from
 _TLS_REFUSALS = ("CERTIFICATE_VERIFY_FAILED", "CERTIFICATE_REQUIRED", "BAD_CERTIFICATE",
@@ -48,6 +52,8 @@ class EtcdAccess:
     tls: ssl.SSLContext | None          # None: plain http
     user: str | None
     password_file: str | None
+    files: dict            # cacert=, cert=, key=: the files named (for the gRPC channels)
+    api: str = "grpc"      # "grpc" or "gateway" (api= in the URL)
 
     @property
     def scheme(self) -> str:
@@ -93,7 +99,9 @@ def parse_url(url: str) -> EtcdAccess:
             raise ValueError(f"unknown etcd URL option {name!r} (known: {', '.join(OPTIONS)})")
         if name in opts:
             raise ValueError(f"etcd URL option {name!r} given twice")
-        if name != "user" and not os.path.isabs(value):
+        if name == "api" and value not in APIS:
+            raise ValueError(f"etcd URL option api={value!r}: use one of {', '.join(APIS)}")
+        if name not in ("user", "api") and not os.path.isabs(value):
             raise ValueError(f"etcd URL option {name} needs an absolute path (got {value!r})")
         opts[name] = value
     if ("cert" in opts) != ("key" in opts):
@@ -106,8 +114,9 @@ def parse_url(url: str) -> EtcdAccess:
                          "members' certificates)")
     tls = _tls_context(opts) if "cacert" in opts else None
     scheme = "https" if tls is not None else "http"
+    files = {k: opts[k] for k in ("cacert", "cert", "key") if k in opts}
     return EtcdAccess(tuple(f"{scheme}://{h}" for h in hosts), tls, opts.get("user"),
-                      opts.get("password-file"))
+                      opts.get("password-file"), files, opts.get("api", "grpc"))
 
 
 def _tls_context(opts: dict[str, str]) -> ssl.SSLContext:

@@ -21,6 +21,12 @@ from .. import metrics
 from ..errors import Access, IOFailure, NoSpace, NotFound, Unavailable
 from .etcd_auth import EtcdAccess, refusal, tls_refusal, token_expired
 
+try:
+    from .etcd_grpc import METHODS as GRPC_METHODS
+    from .etcd_grpc import GrpcApi
+except ImportError:  # grpcio missing: everything through the gateway
+    GrpcApi, GRPC_METHODS = None, {}
+
 log = logging.getLogger(__name__)
 _RETRY_CODES = {4, 8, 14}       # gRPC DeadlineExceeded, ResourceExhausted, Unavailable
 
@@ -89,6 +95,7 @@ class Gateway:
         self._inflight: list[set[trio.CancelScope]] = [set() for _ in self.endpoints]
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=request_timeout),
                                          verify=access.tls or True)
+        self._grpc = GrpcApi(access) if access.api == "grpc" and GrpcApi is not None else None
         self._token: str | None = None  # etcd's auth token (with a user in the URL)
         self._auth_lock = trio.Lock()
         self.authentications = 0  # statistics: tokens obtained
@@ -121,9 +128,8 @@ class Gateway:
             with trio.move_on_after(wait) as scope, _round_trip(path) as answered:
                 self._inflight[i].add(scope)
                 try:
-                    resp = await self._client.post(ep + path, json=body,
-                                                   headers=self._headers(token))
-                    out = self._check(ep + path, resp.status_code, answer_json(ep, resp))
+                    status, data = await self._post(ep, path, body, token, wait)
+                    out = self._check(ep + path, status, data)
                     answered[0] = True
                     return out
                 except Expired as e:
@@ -140,6 +146,20 @@ class Gateway:
             errors[ep] = err
             await self._failover(i, attempt, deadline, errors)
             attempt += 1
+
+    async def _post(self, ep: str, path: str, body: dict, token: str | None,
+                    timeout: float) -> tuple[int, dict]:
+        """One request to ``ep``: over gRPC if it is one etcd_grpc.py sends, else through
+        the gateway; the HTTP status and the JSON answer."""
+        if self._grpc is not None and path in GRPC_METHODS:
+            return await self._grpc.call(ep, path, body, token, timeout)
+        resp = await self._client.post(ep + path, json=body, headers=self._headers(token))
+        return resp.status_code, answer_json(ep, resp)
+
+    async def _close_transport(self) -> None:
+        await self._client.aclose()
+        if self._grpc is not None:
+            self._grpc.close()
 
     def _headers(self, token: str | None) -> dict | None:
         return {"Authorization": token} if token else None
@@ -278,9 +298,9 @@ class Gateway:
             try:
                 with trio.fail_after(timeout or self.request_timeout), \
                         _round_trip(path) as answered:
-                    resp = await self._client.post(ep + path, json=body,
-                                                   headers=self._headers(token))
-                    out = self._check(ep + path, resp.status_code, answer_json(ep, resp))
+                    status, data = await self._post(ep, path, body, token,
+                                                    timeout or self.request_timeout)
+                    out = self._check(ep + path, status, data)
                     answered[0] = True
                     return out
             except Expired:

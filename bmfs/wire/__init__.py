@@ -6,6 +6,7 @@ these lazily to resolve type names such as 'proto:bmfs.examples.Sample'.
 
 # protobuf modules, relative to this package
 PROTO_MODULES = (
+    'etcd_rpc_pb2',
     'examples_pb2',
     'examples_v2_pb2',
     'node_pb2',

@@ -102,3 +102,21 @@ def test_readme_starts_with_the_two_commands_and_lists_every_doc():
     assert commands[:2] == ["tools/setup.sh && bmfs mount /bm", "tools/test.sh"]
     docs = sorted(n for n in os.listdir(os.path.join(top, "docs")) if n.endswith(".md"))
     assert [d for d in docs if f"docs/{d}" not in readme] == []
+
+
+def test_fsspec_comes_with_bmfs(tmp_path):
+    """The README's `fsspec.filesystem("bm", ...)` works in the Python the first
+    command (tools/setup.sh, which installs bmfs without extras) makes: fsspec is one of
+    bmfs's own requirements, not only an extra's, and the "bm" protocol is registered
+    by the installed package."""
+    import re
+    from importlib.metadata import requires
+    plain = [r for r in requires("bmfs") if "extra ==" not in r]
+    assert any(re.match(r"fsspec\b", r) for r in plain), plain
+    vol = tmp_path / "vol"
+    subprocess.run([sys.executable, "-m", "bmfs.cli.main", "mkfs", str(vol)], check=True,
+                   capture_output=True)
+    code = ("import fsspec; fs = fsspec.filesystem('bm', volume=%r); "
+            "print(fs.ls('main/', detail=False)); fs.close()" % str(vol))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res

@@ -204,12 +204,34 @@ def use_settings(**changes) -> Iterator[Settings]:
 
 
 def default_volume() -> str:
-    """Where `bmfs mount /bm` keeps the default volume (created on first use)."""
+    """Where `bmfs mount /bm` keeps the default volume (created on first use): root's
+    is /var/lib/bmfs/default, another user's $XDG_DATA_HOME/bmfs/default
+    (~/.local/share/bmfs/default without it; _home says which home)."""
     if get_settings().default_volume:
         return get_settings().default_volume
     if os.geteuid() == 0:
         return "/var/lib/bmfs/default"
-    return os.path.expanduser("~/.local/share/bmfs/default")
+    data = os.environ.get("XDG_DATA_HOME", "")
+    if not os.path.isabs(data):  # (the XDG spec: a relative one is ignored)
+        data = os.path.join(_home(), ".local", "share")
+    return os.path.join(data, "bmfs", "default")
+
+
+def _home() -> str:
+    """The user's home: $HOME if it is the user's own directory, else the home of the
+    user's passwd entry (a HOME kept from root by setpriv, su -p or sudo -E names a
+    directory this user cannot write)."""
+    import pwd
+    home = os.environ.get("HOME", "")
+    try:
+        if home and os.stat(home).st_uid == os.geteuid():
+            return home
+    except OSError:
+        pass
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_dir
+    except KeyError:  # (a uid without a passwd entry)
+        return home or "/"
 
 
 def parse_ec(text: str) -> tuple[int, int]:

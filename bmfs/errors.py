@@ -83,3 +83,8 @@ class DeviceError(Exception):
 class InUse(VolumeError):
     """The volume's metadata has one owner (a SQLite database) and another process
     holds it: a mount, a writing direct client, fsck."""
+
+
+class InUseHere(InUse):
+    """The volume's metadata has one owner (a SQLite database) and this process holds
+    it already: another direct client of the volume opened here."""

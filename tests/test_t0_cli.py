@@ -75,7 +75,7 @@ def test_help_explains_every_argument():
     assert missing == []
 
 
-def test_completion_scripts():
+def test_completion_scripts(tmp_path):
     """`bmfs completion bash|zsh` prints a script that knows the commands and their
     options; bash reads it without a syntax error; another shell is a usage error."""
     res = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "completion", "bash"],
@@ -85,6 +85,14 @@ def test_completion_scripts():
     zsh = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "completion", "zsh"],
                          capture_output=True, text=True, check=True)
     assert "#compdef bmfs" in zsh.stdout and "--nonempty" in zsh.stdout
+    for shell in ("bash", "zsh", "tcsh"):  # (a NUL ends a shell's word: no script holds one)
+        out = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "completion", shell],
+                             capture_output=True, check=True).stdout
+        assert b"\0" not in out, shell
+    (tmp_path / "bmfs.bash").write_text(res.stdout)  # bmfs completion bash > FILE
+    sourced = subprocess.run(["bash", "-c", f"source {tmp_path}/bmfs.bash"],
+                             capture_output=True, text=True)
+    assert sourced.returncode == 0 and sourced.stderr == "", sourced
     bad = subprocess.run([sys.executable, "-m", "bmfs.cli.main", "completion", "fish"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
@@ -102,3 +110,46 @@ def test_readme_starts_with_the_two_commands_and_lists_every_doc():
     assert commands[:2] == ["tools/setup.sh && bmfs mount /bm", "tools/test.sh"]
     docs = sorted(n for n in os.listdir(os.path.join(top, "docs")) if n.endswith(".md"))
     assert [d for d in docs if f"docs/{d}" not in readme] == []
+
+
+def test_fsspec_comes_with_bmfs(tmp_path):
+    """The README's `fsspec.filesystem("bm", ...)` works in the Python the first
+    command (tools/setup.sh, which installs bmfs without extras) makes: fsspec is one of
+    bmfs's own requirements, not only an extra's, and the "bm" protocol is registered
+    by the installed package."""
+    import re
+    from importlib.metadata import requires
+    plain = [r for r in requires("bmfs") if "extra ==" not in r]
+    assert any(re.match(r"fsspec\b", r) for r in plain), plain
+    vol = tmp_path / "vol"
+    subprocess.run([sys.executable, "-m", "bmfs.cli.main", "mkfs", str(vol)], check=True,
+                   capture_output=True)
+    code = ("import fsspec; fs = fsspec.filesystem('bm', volume=%r); "
+            "print(fs.ls('main/', detail=False)); fs.close()" % str(vol))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res
+
+
+def test_bash_completion_installed_as_a_file_is_sourced(tmp_path):
+    """What tools/setup.sh does for completion (tools/bash-completion.sh): the script
+    it writes to a directory is one bash sources (`bmfs completion bash > FILE; source
+    FILE`: a NUL in it broke that) and then completes bmfs; a second run changes
+    nothing; without the directory it writes nothing and says how to enable it."""
+    import os
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "bash-completion.sh")
+    res = subprocess.run([tool, sys.executable, str(tmp_path)], capture_output=True,
+                         text=True)
+    assert res.returncode == 0 and f"writing bash completion to {tmp_path}/bmfs" in \
+        res.stdout, res
+    sourced = subprocess.run(["bash", "-c", f"source {tmp_path}/bmfs && complete -p bmfs"],
+                             capture_output=True, text=True)
+    assert sourced.returncode == 0 and sourced.stderr == "" and "bmfs" in sourced.stdout, \
+        sourced
+    again = subprocess.run([tool, sys.executable, str(tmp_path)], capture_output=True,
+                           text=True)
+    assert again.returncode == 1 and again.stdout == "", again
+    missing = subprocess.run([tool, sys.executable, str(tmp_path / "none")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 1 and "bash completion not installed: there is no " \
+        f"{tmp_path}/none" in missing.stdout and "bash-completion" in missing.stdout, missing
+    assert not (tmp_path / "none").exists()

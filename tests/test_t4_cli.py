@@ -180,6 +180,41 @@ def test_a_failed_mount_says_why(public):
     assert not is_mounted(mp)
 
 
+def test_a_users_default_volume_is_in_their_home(public):
+    """`bmfs mount DIR` without --volume, as a user other than root: the default volume
+    is made in that user's data directory ($XDG_DATA_HOME, else ~/.local/share); with a
+    HOME that is not theirs (root's, kept by setpriv) and no home of their own (nobody's
+    is /nonexistent), a one-line error that says what to do, not a traceback."""
+    from test_t4_security import NOBODY, _nobodys_bmfs
+    cmd, path = _nobodys_bmfs()
+
+    def mount_as_nobody(mp, **env):
+        return subprocess.run(NOBODY + cmd + ["mount", mp], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": path, **env})
+    home = f"{public}/home"
+    os.mkdir(home, 0o700)
+    os.chown(home, 65534, 65534)
+    env = {k: v for k, v in os.environ.items() if k != "XDG_DATA_HOME"}
+    r = subprocess.run(NOBODY + cmd + ["mount", f"{home}/mnt"], capture_output=True,
+                       text=True, env={**env, "PYTHONPATH": path, "HOME": home})
+    try:
+        assert os.path.exists(f"{home}/.local/share/bmfs/default/volume.json"), r
+        # (mounted where /dev/fuse lets nobody mount; else libfuse's reason, one line)
+        assert r.returncode == 0 or (r.returncode == 2 and
+                                     len(r.stderr.strip().splitlines()) == 1), r
+    finally:
+        if is_mounted(f"{home}/mnt"):
+            bmfs("umount", f"{home}/mnt")
+    r = mount_as_nobody(f"{public}/mnt2", XDG_DATA_HOME=f"{home}/data")
+    assert os.path.exists(f"{home}/data/bmfs/default/volume.json"), r
+    if is_mounted(f"{public}/mnt2"):
+        bmfs("umount", f"{public}/mnt2")
+    r = mount_as_nobody(f"{public}/mnt3", HOME="/root", XDG_DATA_HOME="")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r
+    assert "cannot make the default volume" in r.stderr and "--volume DIR" in r.stderr, r
+    assert "/root" not in r.stderr and not is_mounted(f"{public}/mnt3")
+
+
 def test_umount_gives_up_waiting_at_its_timeout(volume, tmp_path):
     """A daemon that cannot finish (stopped here with SIGSTOP): umount unmounts, waits
     --timeout seconds, then exits 1 naming the daemon's pid; the daemon, let go,

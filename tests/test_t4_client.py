@@ -401,3 +401,22 @@ def test_typed_views_without_a_mount(volume, tmp_path):
         assert np.array_equal(a.take([2999, 0, 1234]), arr[[2999, 0, 1234]])
         with pytest.raises(TypeMismatch):
             c.array("/train.rec")
+
+
+def test_a_second_client_in_the_same_process_is_told_why(volume):
+    """A one-machine volume has one owner: a second client of it in the process that
+    holds it (a writable fsspec instance asked for a second branch, a reader beside a
+    writer) is refused (EBUSY) saying that this process holds it and what to do, not
+    that another process does; once the first is closed it opens."""
+    w = bmfs.connect(volume, writable=True)
+    try:
+        for kw in ({"writable": True, "branch": "main"}, {}):
+            with pytest.raises(PermissionError) as e:
+                bmfs.connect(volume, **kw)
+            assert e.value.errno == errno.EBUSY, e.value
+            assert "in use by this process already" in str(e.value), e.value
+            assert "another bmfs process" not in str(e.value), e.value
+    finally:
+        w.close()
+    with bmfs.connect(volume, writable=True) as c:
+        c.write_file("/f", b"x")

@@ -72,14 +72,11 @@ link() {  # link TARGET NAME: make NAME a link to TARGET unless it is one alread
 say "checking the bmfs command and the mount helper"
 link "$ROOT/.venv/bin/bmfs" /usr/local/bin/bmfs
 link "$ROOT/mount/mount.fuse.bmfs" /sbin/mount.fuse.bmfs
-if [ -d /etc/bash_completion.d ] &&
-   completion=$(.venv/bin/python -m bmfs.cli.main completion bash 2>/dev/null); then
-  if [ "$(cat /etc/bash_completion.d/bmfs 2>/dev/null)" != "$completion" ]; then
-    say "writing bash completion to /etc/bash_completion.d/bmfs"
-    printf '%s\n' "$completion" > /etc/bash_completion.d/bmfs
-    did "bash completion"
-  fi
-fi
+# (says where it went, or how to enable it where /etc/bash_completion.d is missing)
+rc=0
+tools/bash-completion.sh .venv/bin/python || rc=$?
+[ "$rc" = 0 ] && did "bash completion"
+[ "$rc" = 2 ] && echo "setup: warning: bmfs completion bash failed; no bash completion" >&2
 # allow_other needs this line for non-root mounts; harmless for root.
 if ! grep -qs '^user_allow_other' /etc/fuse.conf; then
   say "allowing allow_other in /etc/fuse.conf"

@@ -158,10 +158,7 @@ def run(args) -> int:
     check_metrics_address(args.metrics)
     volume = args.volume or default_volume()
     if args.volume is None and not os.path.exists(os.path.join(volume, "volume.json")):
-        from ..config import parse_ec
-        from ..volume.volume import mkfs
-        k, m = parse_ec(args.ec)
-        run_trio(mkfs, volume, k, m)
+        _make_default_volume(volume, args.ec)
     from ..volume.volume import read_volume_file
     read_volume_file(volume)  # a missing or foreign volume fails here, in one line
     opts = MountOptions(branch=args.branch, attr_timeout=args.timeout,
@@ -178,6 +175,21 @@ def run(args) -> int:
     if made:
         print(f"bmfs: made the mount point {mp}", file=sys.stderr)
     return code
+
+
+def _make_default_volume(volume: str, ec: str) -> None:
+    """mkfs the default volume at ``volume`` (first use of bmfs mount without
+    --volume); a place this user cannot make it is a one-line error saying what to do."""
+    from ..config import parse_ec
+    from ..volume.volume import mkfs
+    k, m = parse_ec(ec)
+    try:
+        os.makedirs(os.path.dirname(volume), 0o700, exist_ok=True)
+        run_trio(mkfs, volume, k, m)
+    except OSError as e:
+        raise UserError(f"cannot make the default volume {volume}: {e.strerror} (give "
+                        f"--volume DIR, a volume made with bmfs mkfs DIR, or set "
+                        f"XDG_DATA_HOME or BMFS_DEFAULT_VOLUME to a place of yours)")
 
 
 def _serve(volume, mp, opts, ready_fd) -> int:

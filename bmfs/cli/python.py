@@ -12,7 +12,9 @@ def add_parser(sub):
     p = sub.add_parser("python", help="run the Python bmfs is installed in (import bmfs "
                        "works there)", description=__doc__.splitlines()[0] + " "
                        + " ".join(ln.strip() for ln in __doc__.splitlines()[1:]),
-                       prefix_chars="\0")  # every argument is the interpreter's
+                       prefix_chars="\0", add_help=False)  # every argument is the
+    # interpreter's (bmfs python -h: python's help); no option of its own, so no
+    # option string with that NUL prefix reaches the completion scripts
     p.add_argument("args", nargs=argparse.REMAINDER,
                    help="arguments for python (a script, -c CODE, -m MODULE ...)")
     p.set_defaults(func=run)

@@ -28,7 +28,7 @@ import stat
 
 import trio
 
-from ..errors import FsError, InUse, VolumeError
+from ..errors import FsError, InUse, InUseHere, VolumeError
 from ..kv.mountsock import SOCKET_NAME, MountSockKV
 from ..volume import session, upkeep
 from ..vfs.fs import FileSystem
@@ -55,6 +55,8 @@ def os_error(e: Exception, path: str | None = None) -> OSError:
         return OSError(e.errno, msg, path)
     if isinstance(e, VolumeError):
         msg = str(e)
+        if isinstance(e, InUseHere):
+            return PermissionError(errno.EBUSY, msg, path)
         if "in use by another bmfs process" in msg:
             return PermissionError(errno.EBUSY, f"{msg}; a direct client reads a one-machine "
                                    "volume beside other readers or through its mount, not "

@@ -55,7 +55,7 @@ import struct
 from crc32c import crc32c
 
 from ..config import get_settings
-from ..errors import Conflict, InUse, MetaDamaged, VolumeError
+from ..errors import Conflict, InUse, InUseHere, MetaDamaged, VolumeError
 from . import KV, Capabilities, merge_rows, prefix_end
 
 log = logging.getLogger(__name__)
@@ -196,9 +196,29 @@ def _locked(url: str, how: int) -> tuple[str, int]:
         fcntl.flock(lockfd, how | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(lockfd)
+        if _held_here(path + ".lock"):
+            raise InUseHere(
+                f"{path} is in use by this process already: another client of the "
+                f"volume is open here (a one-machine volume has one writer, and no "
+                f"reader beside it: a writable bmfs.connect or fsspec instance writes "
+                f"one branch); close that one first, or mount the volume and use every "
+                f"branch through the mount") from None
         raise InUse(f"{path} is in use by another bmfs process (mounted already?)") \
             from None
     return path, lockfd
+
+
+def _held_here(lock: str) -> bool:
+    """Whether this process has ``lock`` open (the lock file of a database it owns or
+    reads: flock's locks belong to an open file, so a second open here conflicts)."""
+    target = os.path.realpath(lock)
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == target:
+                return True
+        except OSError:
+            pass
+    return False
 
 
 class SqliteKV(KV):

@@ -17,7 +17,7 @@ import trio
 
 from ..config import VolumeSettings, get_settings, group_id
 from ..data.client import DataClient
-from ..errors import InUse, Unavailable, VolumeError
+from ..errors import InUse, InUseHere, Unavailable, VolumeError
 from ..kv import open_kv, seal
 from ..kv.mountsock import SOCKET_NAME, MountSockKV
 from ..meta import keys
@@ -433,6 +433,8 @@ class Volume:
         try:
             kv = await open_kv(f"sqlite:{os.path.realpath(path)}/meta.db" if home
                                else info["meta"], shared=shared)
+        except InUseHere:
+            raise  # (no mount serves it: this process owns it)
         except InUse:
             if not shared:
                 raise
